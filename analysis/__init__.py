@@ -1,0 +1,1 @@
+"""Drift analysis of state storage schemes (installed as ``qstate.analysis``)."""

@@ -1,0 +1,285 @@
+"""State formats and their codecs (quantize / dequantize), in plain torch.
+
+A format string is ``<dtype>[:<granularity>][+sr]`` (DESIGN.md §4):
+
+* dtype: ``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3`` (max 448), ``fp8_e5m2`` (max 57344),
+  ``int8`` (symmetric, ±127).
+* granularity of the fp32 scale, 8-bit dtypes only (default ``row``), for a state shaped
+  ``(..., headdim, dstate)``:
+
+  - ``row``: one scale per ``(..., headdim)`` row over dstate; scale shape ``(..., headdim)``;
+  - ``head``: one scale per ``(...)`` over ``(headdim, dstate)``; scale shape ``(...)``;
+  - ``block32``: one power-of-two scale per 32 consecutive dstate values;
+    scale shape ``(..., headdim, dstate // 32)``.
+* ``+sr``: stochastic rounding instead of round-to-nearest-even (not for fp32).
+
+Number rules, which every kernel reproduces bit for bit:
+
+1. ``amax`` = max |x| over the group, in fp32.
+2. ``scale = clamp(amax / qmax, FLT_MIN, FLT_MAX)`` (one fp32 division); for ``block32``
+   the scale is then raised to the next power of two, ``2**ceil(log2(scale))``.
+   A zero group gets ``scale = FLT_MIN`` and all-zero codes; an inf gets a finite scale.
+3. ``v = x / scale`` (one fp32 division), clamped to ``[-qmax, qmax]`` *before* rounding.
+4. ``v`` is rounded once onto the grid of the code dtype: round-to-nearest-even, or with
+   ``+sr`` ``floor(v / step + u) * step`` with ``u ~ U[0, 1)`` and ``step`` the grid spacing at
+   ``v``. Values saturate at ±qmax, never become inf or NaN.
+5. ``dequantize`` is ``code * scale`` in fp32 (one rounding).
+
+Unscaled 16-bit formats follow rules 3–4 with ``scale = 1`` and ``qmax`` the dtype's largest
+finite value (saturating instead of overflowing to inf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "GRANULARITIES",
+    "StateFormat",
+    "QuantizedState",
+    "quantize",
+    "dequantize",
+    "round_to_grid",
+    "as_format",
+]
+
+FLT_MIN = torch.finfo(torch.float32).tiny
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class _DtypeInfo:
+    storage: torch.dtype
+    qmax: float
+    mantissa_bits: int  # explicit mantissa bits of the grid (0 for int8: unit steps)
+    min_exponent: int  # exponent of the smallest normal; below it the step is constant
+    scaled: bool
+    bytes: int
+
+
+DTYPES: dict[str, _DtypeInfo] = {
+    "fp32": _DtypeInfo(torch.float32, FLT_MAX, 23, -126, False, 4),
+    "bf16": _DtypeInfo(torch.bfloat16, torch.finfo(torch.bfloat16).max, 7, -126, False, 2),
+    "fp16": _DtypeInfo(torch.float16, 65504.0, 10, -14, False, 2),
+    "fp8_e4m3": _DtypeInfo(torch.float8_e4m3fn, 448.0, 3, -6, True, 1),
+    "fp8_e5m2": _DtypeInfo(torch.float8_e5m2, 57344.0, 2, -14, True, 1),
+    "int8": _DtypeInfo(torch.int8, 127.0, 0, 0, True, 1),
+}
+GRANULARITIES = ("row", "head", "block32")
+BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFormat:
+    """A parsed state format; build it with :meth:`parse`. ``str()`` gives the canonical string."""
+
+    dtype: str
+    granularity: Optional[str] = None
+    stochastic: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"format dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        info = DTYPES[self.dtype]
+        if info.scaled:
+            if self.granularity is None:
+                object.__setattr__(self, "granularity", "row")
+            elif self.granularity not in GRANULARITIES:
+                raise ValueError(
+                    f"format granularity: expected one of {list(GRANULARITIES)}, got {self.granularity!r}"
+                )
+        elif self.granularity is not None:
+            raise ValueError(
+                f"format granularity: {self.dtype} has no scale, so no granularity; got {self.granularity!r}"
+            )
+        if self.stochastic and self.dtype == "fp32":
+            raise ValueError("format '+sr': stochastic rounding needs a narrower dtype than fp32")
+
+    @classmethod
+    def parse(cls, text: Union[str, "StateFormat"]) -> "StateFormat":
+        """Parse ``'<dtype>[:<granularity>][+sr]'``, e.g. ``'int8:row+sr'`` or ``'bf16'``."""
+        if isinstance(text, StateFormat):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"format: expected a str or StateFormat, got {type(text).__name__}")
+        body, sr = text.strip(), False
+        if body.endswith("+sr"):
+            body, sr = body[: -len("+sr")], True
+        dtype, _, gran = body.partition(":")
+        if dtype not in DTYPES or (gran and gran not in GRANULARITIES):
+            raise ValueError(
+                f"format: unknown format {text!r}; expected '<dtype>[:<granularity>][+sr]' with dtype in "
+                f"{sorted(DTYPES)} and granularity in {list(GRANULARITIES)} (8-bit dtypes only)"
+            )
+        return cls(dtype, gran or None, sr)
+
+    def __str__(self) -> str:
+        return self.dtype + (f":{self.granularity}" if self.granularity else "") + ("+sr" if self.stochastic else "")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype].storage
+
+    @property
+    def qmax(self) -> float:
+        """Largest code magnitude: 448, 57344, 127, or the dtype's largest finite value."""
+        return DTYPES[self.dtype].qmax
+
+    @property
+    def scaled(self) -> bool:
+        return DTYPES[self.dtype].scaled
+
+    def scale_shape(self, shape) -> Optional[tuple]:
+        """Shape of the fp32 scale for a state of ``shape = (..., headdim, dstate)``; None if unscaled."""
+        shape = tuple(shape)
+        if not self.scaled:
+            return None
+        if self.granularity == "row":
+            return shape[:-1]
+        if self.granularity == "head":
+            return shape[:-2]
+        return shape[:-1] + (shape[-1] // BLOCK,)
+
+    def bytes_per_element(self, dstate: int, headdim: Optional[int] = None) -> float:
+        """Bytes held per state element, fp32 scales included.
+
+        ``head`` granularity needs ``headdim`` (one scale per ``headdim × dstate``).
+        """
+        data = DTYPES[self.dtype].bytes
+        if not self.scaled:
+            return float(data)
+        if self.granularity == "row":
+            return data + 4.0 / dstate
+        if self.granularity == "block32":
+            return data + 4.0 / BLOCK
+        if headdim is None:
+            raise ValueError("headdim: needed for the bytes of a 'head'-granularity scale, got None")
+        return data + 4.0 / (headdim * dstate)
+
+
+FormatLike = Union[str, StateFormat]
+
+
+def as_format(fmt: FormatLike, name: str = "fmt") -> StateFormat:
+    """``StateFormat.parse`` with the argument's name in the error message."""
+    try:
+        return StateFormat.parse(fmt)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+@dataclasses.dataclass
+class QuantizedState:
+    """Codes in the format's storage dtype, shaped like the state, and the fp32 scale (or None)."""
+
+    data: torch.Tensor
+    scale: Optional[torch.Tensor]
+    fmt: StateFormat
+
+
+def _check_state(x: torch.Tensor, fmt: StateFormat) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected shape (..., headdim, dstate), got {tuple(x.shape)}")
+    if fmt.granularity == "block32" and x.shape[-1] % BLOCK:
+        raise ValueError(f"x: block32 needs dstate % 32 == 0, got dstate {x.shape[-1]}")
+
+
+def round_to_grid(v: torch.Tensor, fmt: StateFormat, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Round fp32 ``v`` (already clamped to ±qmax) onto the code grid of ``fmt``, in fp32.
+
+    Round-to-nearest-even when ``noise`` is None, else ``floor(v / step + noise) * step`` with
+    ``noise`` uniform in [0, 1). The arithmetic is exact (power-of-two steps, done in fp64), so
+    the result is representable in the storage dtype and the final cast does no rounding.
+    """
+    info = DTYPES[fmt.dtype]
+    w = v.double()
+    if fmt.dtype == "int8":
+        step = torch.ones_like(w)
+    else:
+        _, exp = torch.frexp(w)  # w = m · 2**exp with 0.5 <= |m| < 1
+        exponent = torch.clamp(exp.double() - 1, min=info.min_exponent)
+        step = torch.exp2(exponent - info.mantissa_bits)
+    q = w / step
+    q = torch.round(q) if noise is None else torch.floor(q + noise.double())
+    return torch.clamp(q * step, -info.qmax, info.qmax).float()
+
+
+def _group_amax(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """amax per scale group, shaped like the scale."""
+    a = x.abs()
+    if fmt.granularity == "row":
+        return a.amax(dim=-1)
+    if fmt.granularity == "head":
+        return a.amax(dim=(-2, -1))
+    return a.unflatten(-1, (-1, BLOCK)).amax(dim=-1)
+
+
+def _expand_scale(scale: torch.Tensor, shape, fmt: StateFormat) -> torch.Tensor:
+    if fmt.granularity == "row":
+        return scale.unsqueeze(-1).expand(shape)
+    if fmt.granularity == "head":
+        return scale[..., None, None].expand(shape)
+    return scale.repeat_interleave(BLOCK, dim=-1)
+
+
+def compute_scale(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The fp32 scale of ``x`` in ``fmt`` (rules 1–2 of the module docstring)."""
+    amax = _group_amax(x.float(), fmt)
+    scale = torch.clamp(amax / fmt.qmax, FLT_MIN, FLT_MAX)
+    if fmt.granularity == "block32":
+        mant, exp = torch.frexp(scale)
+        # scale = mant · 2**exp, 0.5 <= mant < 1: the next power of two is 2**exp unless mant == 0.5.
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))
+    return scale
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: FormatLike,
+    *,
+    generator: Optional[torch.Generator] = None,
+    noise: Optional[torch.Tensor] = None,
+) -> QuantizedState:
+    """Store ``x (..., headdim, dstate)`` in ``fmt``.
+
+    Returns ``QuantizedState(data, scale, fmt)``: ``data`` shaped like ``x`` in the storage dtype
+    (``torch.float8_e4m3fn``, ``torch.int8``, …); ``scale`` fp32 shaped ``fmt.scale_shape(x.shape)``
+    or None for fp32/bf16/fp16. Stochastic formats draw ``u ~ U[0, 1)`` from ``generator``
+    (or use ``noise``, shaped like ``x``, when given). NaN in a group makes that group's codes
+    unspecified; it does not reach other groups.
+    """
+    fmt = as_format(fmt)
+    _check_state(x, fmt)
+    xf = x.float()
+    if fmt.stochastic and noise is None:
+        device = xf.device if generator is None else generator.device
+        noise = torch.rand(xf.shape, generator=generator, device=device).to(xf.device)
+    elif not fmt.stochastic:
+        noise = None
+    elif noise.shape != xf.shape:
+        raise ValueError(f"noise: expected shape {tuple(xf.shape)}, got {tuple(noise.shape)}")
+    if fmt.dtype == "fp32":
+        return QuantizedState(xf.clone(), None, fmt)
+    scale = compute_scale(xf, fmt) if fmt.scaled else None
+    v = xf / _expand_scale(scale, xf.shape, fmt) if fmt.scaled else xf
+    v = torch.clamp(v, -fmt.qmax, fmt.qmax)
+    codes = round_to_grid(v, fmt, noise)
+    return QuantizedState(codes.to(fmt.storage_dtype), scale, fmt)
+
+
+def dequantize(q: QuantizedState) -> torch.Tensor:
+    """fp32 values of a :class:`QuantizedState`: ``code * scale`` (one fp32 rounding)."""
+    if not isinstance(q, QuantizedState):
+        raise TypeError(f"q: expected a QuantizedState, got {type(q).__name__}")
+    values = q.data.float()
+    if q.scale is None:
+        return values
+    return values * _expand_scale(q.scale.float(), values.shape, q.fmt)
