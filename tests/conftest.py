@@ -1,0 +1,18 @@
+"""Test setup: kernels run under the Triton interpreter on machines without a GPU.
+
+TRITON_INTERPRET must be set before any kernel module is imported (DESIGN.md §7).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import settings  # noqa: E402
+
+# CI replays the same examples every run; locally HYPOTHESIS_PROFILE=explore searches further.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
