@@ -16,9 +16,13 @@ A format string is ``<dtype>[:<granularity>][+sr]`` (DESIGN.md §4):
 Number rules, which every kernel reproduces bit for bit:
 
 1. ``amax`` = max |x| over the group, in fp32.
-2. ``scale = clamp(amax / qmax, FLT_MIN, FLT_MAX)`` (one fp32 division); for ``block32``
-   the scale is then raised to the next power of two, ``2**ceil(log2(scale))``.
-   A zero group gets ``scale = FLT_MIN`` and all-zero codes; an inf gets a finite scale.
+2. ``scale = clamp(amax / qmax, FLT_MIN, max_scale)`` (one fp32 division) with
+   ``max_scale = 2**(126 − emax)`` and ``emax = floor(log2(qmax))`` (8, 15, 6), so that
+   ``qmax · scale`` is finite. ``block32`` uses the MX rule instead:
+   ``scale = 2**clamp(floor(log2(amax)) − emax, −126, 126 − emax)``, so values in
+   ``(qmax, 2**(emax+1)) · scale`` saturate. This keeps ``quantize(dequantize(q))`` equal to
+   ``q``, which a round-up power of two does not. A zero group gets ``scale = 2**-126`` and
+   all-zero codes; an inf saturates to ``qmax · max_scale``.
 3. ``v = x / scale`` (one fp32 division), clamped to ``[-qmax, qmax]`` *before* rounding.
 4. ``v`` is rounded once onto the grid of the code dtype: round-to-nearest-even, or with
    ``+sr`` ``floor(v / step + u) * step`` with ``u ~ U[0, 1)`` and ``step`` the grid spacing at
@@ -32,6 +36,7 @@ finite value (saturating instead of overflowing to inf).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torch
@@ -128,6 +133,16 @@ class StateFormat:
     def qmax(self) -> float:
         """Largest code magnitude: 448, 57344, 127, or the dtype's largest finite value."""
         return DTYPES[self.dtype].qmax
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the top binade of the codes, ``floor(log2(qmax))``: 8, 15 or 6 for 8-bit."""
+        return math.frexp(self.qmax)[1] - 1
+
+    @property
+    def max_scale(self) -> float:
+        """Largest scale, ``2**(126 − emax)``: ``qmax · scale`` stays finite in fp32."""
+        return 2.0 ** (126 - self.emax)
 
     @property
     def scaled(self) -> bool:
@@ -233,12 +248,12 @@ def _expand_scale(scale: torch.Tensor, shape, fmt: StateFormat) -> torch.Tensor:
 def compute_scale(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     """The fp32 scale of ``x`` in ``fmt`` (rules 1–2 of the module docstring)."""
     amax = _group_amax(x.float(), fmt)
-    scale = torch.clamp(amax / fmt.qmax, FLT_MIN, FLT_MAX)
-    if fmt.granularity == "block32":
-        mant, exp = torch.frexp(scale)
-        # scale = mant · 2**exp, 0.5 <= mant < 1: the next power of two is 2**exp unless mant == 0.5.
-        scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))
-    return scale
+    if fmt.granularity != "block32":
+        return torch.clamp(amax / fmt.qmax, FLT_MIN, fmt.max_scale)
+    # MX rule: the largest magnitude lands in the top binade of the code, [2**emax, 2**(emax+1)).
+    _, exp = torch.frexp(amax)  # amax = m · 2**exp, 0.5 <= m < 1, so floor(log2 amax) = exp - 1
+    shared = torch.clamp(exp - 1 - fmt.emax, min=-126, max=126 - fmt.emax)
+    return torch.ldexp(torch.ones_like(amax), shared)
 
 
 def quantize(
