@@ -1,0 +1,324 @@
+"""In-kernel state codec shared by every kernel: the number rules of :mod:`qstate.formats`,
+reproduced bit for bit on the GPU and under ``TRITON_INTERPRET=1``.
+
+Why each trick is needed (the interpreter's casts are wrong, the GPU's ``/`` is approximate)
+is written up in ``kernels/README.md``. Every function below is ``@triton.jit`` unless marked
+"host"; the signatures are stable (new helpers are added, none renamed).
+
+Codes of the formats (constexpr ``DTYPE``): ``FP32, BF16, FP16, FP8_E4M3, FP8_E5M2, INT8``.
+Scale granularity (constexpr ``GRAN``): ``GRAN_NONE, GRAN_ROW, GRAN_HEAD, GRAN_BLOCK32``.
+
+Storage seen by a kernel (what :func:`storage_view` passes): fp32 → fp32, fp16 → fp16,
+bf16 → int16 (raw bits), fp8_e4m3 / fp8_e5m2 → uint8 (raw bits), int8 → int8.
+
+Host helpers (plain Python):
+
+* ``dtype_code(fmt) -> int`` and ``granularity_code(fmt) -> int``
+* ``storage_view(t: torch.Tensor, fmt) -> torch.Tensor``: the view a kernel's pointer takes
+* ``hardware_casts(device) -> bool``: True on a GPU (``HW`` below), False under the interpreter
+* ``qmax(fmt) -> float`` and ``emax(fmt) -> int``: the ``QMAX`` and ``EMAX`` constexprs
+
+``HW: tl.constexpr``: True lets the GPU's exact conversion instructions (cvt.rn.satfinite) do the
+rounding and the fp8/fp16/bf16 conversions; False uses exact integer/fp32 arithmetic that is
+right on both (the interpreter must use False). Both give identical bits.
+
+In-kernel functions:
+
+* ``uniform(seed, counter) -> fp32``: u in [0, 1), a multiple of 2**-24, from the counter-based
+  Philox stream ``tl.randint(seed, counter)``; ``counter`` is the element's position (int32).
+* ``reciprocal_rn(s) -> fp32``: ``1 / s`` correctly rounded (per scale group, for ``divide_rn``).
+* ``divide_rn(x, s, s_recip, HW) -> fp32``: ``x / s`` correctly rounded. ``HW``: one multiply and
+  two FMAs with ``s_recip = reciprocal_rn(s)`` (Markstein's correction); else ``tl.div_rn``.
+* ``scale_from_amax(amax, QMAX: constexpr, EMAX: constexpr, GRAN: constexpr) -> fp32``:
+  ``clamp(amax / QMAX, FLT_MIN, 2**(126 - EMAX))``; for block32 the MX rule
+  ``2**clamp(floor(log2(amax)) - EMAX, -126, 126 - EMAX)``.
+* ``saturate(v, QMAX: constexpr) -> fp32``: clamp to ``[-QMAX, QMAX]`` (before rounding).
+* ``round_rne(v, DTYPE) -> fp32``: nearest-even grid value of ``v`` (exact arithmetic).
+* ``round_sr(v, u, DTYPE) -> fp32``: ``floor(v / step + u) * step`` (exact arithmetic).
+* ``grid_to_codes(g, DTYPE, HW)``: grid values → storage codes (no rounding happens).
+* ``encode(v, u, DTYPE, STOCHASTIC, HW)``: saturated, scaled values → storage codes
+  (``u`` is ignored unless ``STOCHASTIC``; pass 0.0).
+* ``decode(codes, DTYPE, HW) -> fp32``: storage codes → code values (multiply by the scale
+  to dequantize: ``code * scale``, one rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP32 = 0
+BF16 = 1
+FP16 = 2
+FP8_E4M3 = 3
+FP8_E5M2 = 4
+INT8 = 5
+
+GRAN_NONE = 0
+GRAN_ROW = 1
+GRAN_HEAD = 2
+GRAN_BLOCK32 = 3
+
+_DTYPE_CODES = {"fp32": FP32, "bf16": BF16, "fp16": FP16, "fp8_e4m3": FP8_E4M3, "fp8_e5m2": FP8_E5M2, "int8": INT8}
+_GRAN_CODES = {None: GRAN_NONE, "row": GRAN_ROW, "head": GRAN_HEAD, "block32": GRAN_BLOCK32}
+_STORAGE_VIEWS = {BF16: torch.int16, FP8_E4M3: torch.uint8, FP8_E5M2: torch.uint8}
+
+
+def dtype_code(fmt) -> int:
+    """Host: the ``DTYPE`` constexpr of a :class:`qstate.formats.StateFormat`."""
+    return _DTYPE_CODES[fmt.dtype]
+
+
+def granularity_code(fmt) -> int:
+    """Host: the ``GRAN`` constexpr of a :class:`qstate.formats.StateFormat`."""
+    return _GRAN_CODES[fmt.granularity]
+
+
+def storage_view(t: torch.Tensor, fmt) -> torch.Tensor:
+    """Host: the view of a state tensor (in ``fmt.storage_dtype``) that a kernel pointer takes."""
+    view = _STORAGE_VIEWS.get(dtype_code(fmt))
+    return t if view is None else t.view(view)
+
+
+def hardware_casts(device: torch.device) -> bool:
+    """Host: whether kernels on ``device`` may use the GPU's conversion instructions."""
+    return device.type == "cuda"
+
+
+def qmax(fmt) -> float:
+    """Host: the ``QMAX`` constexpr (largest code magnitude) of a format."""
+    return float(fmt.qmax)
+
+
+def emax(fmt) -> int:
+    """Host: the ``EMAX`` constexpr, ``floor(log2(qmax))``, of a scaled format (0 otherwise)."""
+    return int(fmt.emax) if fmt.scaled else 0
+
+
+@triton.jit
+def uniform(seed, counter):
+    # The top 24 of 32 random bits: exact in fp32, so 1 - u is exact too (needed by round_sr).
+    bits = tl.randint(seed, counter)
+    return (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def reciprocal_rn(s):
+    return tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def divide_rn(x, s, s_recip, HW: tl.constexpr):
+    if HW:
+        q = x * s_recip
+        residual = tl.fma(-q, s, x)
+        q = tl.fma(residual, s_recip, q)
+    else:
+        q = tl.div_rn(x, s)
+    return q
+
+
+@triton.jit
+def _pow2(exponent):
+    """2**exponent for an int32 exponent in the normal fp32 range."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.constexpr):
+    if GRAN == 3:
+        # MX rule on floor(log2(amax)), read from the exponent bits; like torch.frexp, zero, inf
+        # and NaN count as exponent -1 and subnormals fall under the -126 clamp.
+        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        floor_log2 = tl.where((biased == 0) & (amax == 0.0), -1, tl.where(biased == 255, -1, biased - 127))
+        exponent = tl.minimum(tl.maximum(floor_log2 - EMAX, -126), 126 - EMAX)
+        s = _pow2(exponent)
+    else:
+        s = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        s = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), _pow2(tl.full(amax.shape, 126 - EMAX, tl.int32)))
+    return s
+
+
+@triton.jit
+def saturate(v, QMAX: tl.constexpr):
+    return tl.minimum(tl.maximum(v, -QMAX), QMAX)
+
+
+@triton.jit
+def _step_exponent(v, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Exponent k of the grid step at v: 2**(max(exponent(v), MIN_EXP) - MANT_BITS)."""
+    biased = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.maximum(biased - 127, MIN_EXP) - MANT_BITS
+
+
+@triton.jit
+def _rint_magnitude(q):
+    # Adding 1.5·2**23 rounds |q| < 2**22 to an integer, nearest-even; subtracting is exact.
+    return (q + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _copy_sign(magnitude, v):
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _float_grid_rne(v, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    k = _step_exponent(v, MANT_BITS, MIN_EXP)
+    q = tl.abs(v) * _pow2(-k)
+    return _copy_sign(_rint_magnitude(q) * _pow2(k), v)
+
+
+@triton.jit
+def _bf16_bits_rne(v):
+    """fp32 bits of v rounded to the bf16 grid (its top 16 bits), nearest-even."""
+    bits = v.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+
+
+@triton.jit
+def round_rne(v, DTYPE: tl.constexpr):
+    if DTYPE == 5:
+        g = _copy_sign(_rint_magnitude(tl.abs(v)), v)
+    elif DTYPE == 1:
+        g = _bf16_bits_rne(v).to(tl.float32, bitcast=True)
+    elif DTYPE == 2:
+        g = _float_grid_rne(v, 10, -14)
+    elif DTYPE == 3:
+        g = _float_grid_rne(v, 3, -6)
+    elif DTYPE == 4:
+        g = _float_grid_rne(v, 2, -14)
+    else:
+        g = v
+    return g
+
+
+@triton.jit
+def _float_grid_sr(v, u, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # floor(q + u) = floor(q) + [frac(q) >= 1 - u]; every term is exact in fp32.
+    k = _step_exponent(v, MANT_BITS, MIN_EXP)
+    q = v * _pow2(-k)
+    whole = tl.floor(q)
+    up = (q - whole) >= (1.0 - u)
+    return (whole + up.to(tl.float32)) * _pow2(k)
+
+
+@triton.jit
+def _bf16_bits_sr(v, u):
+    # Sign-magnitude bits: the magnitude moves up one bf16 step when floor(v/step + u) says so;
+    # with f the dropped fraction (24-bit integer F) and u = j·2**-24: v >= 0 rounds up iff
+    # j + F >= 2**24, v < 0 iff j < F.
+    bits = v.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    fraction = (magnitude & 0xFFFF) << 8
+    j = (u * 16777216.0).to(tl.int32)
+    up = tl.where(bits < 0, j < fraction, (j + fraction) >= 16777216)
+    rounded = (magnitude & -65536) + (up.to(tl.int32) << 16)
+    # floor() gives +0 when a negative value rounds to zero; keep the sign of nonzero results only.
+    return tl.where(rounded == 0, 0, rounded | (bits & -2147483648))
+
+
+@triton.jit
+def round_sr(v, u, DTYPE: tl.constexpr):
+    if DTYPE == 5:
+        whole = tl.floor(v)
+        g = whole + ((v - whole) >= (1.0 - u)).to(tl.float32)
+    elif DTYPE == 1:
+        g = _bf16_bits_sr(v, u).to(tl.float32, bitcast=True)
+    elif DTYPE == 2:
+        g = _float_grid_sr(v, u, 10, -14)
+    elif DTYPE == 3:
+        g = _float_grid_sr(v, u, 3, -6)
+    elif DTYPE == 4:
+        g = _float_grid_sr(v, u, 2, -14)
+    else:
+        g = v
+    return g
+
+
+@triton.jit
+def _fp8_bits(g, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
+    """fp8 bits (int32 in [0, 255]) of a value exactly on the fp8 grid, with integer ops only."""
+    bits = g.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(g)
+    normal = (((bits & 0x7FFFFFFF) >> (23 - MANT_BITS)) - ((127 - BIAS) << MANT_BITS))
+    smallest_normal = _pow2(tl.full(g.shape, MIN_EXP, tl.int32))
+    # min() keeps the unused branch in range, so the float → int conversion never overflows.
+    subnormal = (tl.minimum(magnitude, smallest_normal) * _pow2(tl.full(g.shape, MANT_BITS - MIN_EXP, tl.int32))).to(tl.int32)
+    code = tl.where(magnitude < smallest_normal, subnormal, normal)
+    return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def _fp8_value(code, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
+    """fp32 value of fp8 bits (int32 in [0, 255]), with integer ops only."""
+    exponent_field = (code >> MANT_BITS) & ((1 << (7 - MANT_BITS)) - 1)
+    mantissa = code & ((1 << MANT_BITS) - 1)
+    normal = (((code & 0x7F) << (23 - MANT_BITS)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * _pow2(tl.full(code.shape, MIN_EXP - MANT_BITS, tl.int32))
+    magnitude = tl.where(exponent_field == 0, subnormal, normal)
+    return tl.where((code & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def grid_to_codes(g, DTYPE: tl.constexpr, HW: tl.constexpr):
+    if DTYPE == 5:
+        codes = g.to(tl.int32).to(tl.int8)
+    elif DTYPE == 1:
+        codes = (g.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    elif DTYPE == 2:
+        codes = g.to(tl.float16)
+    elif DTYPE == 3:
+        if HW:
+            codes = g.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            codes = _fp8_bits(g, 3, -6, 7).to(tl.uint8)
+    elif DTYPE == 4:
+        if HW:
+            codes = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            codes = _fp8_bits(g, 2, -14, 15).to(tl.uint8)
+    else:
+        codes = g
+    return codes
+
+
+@triton.jit
+def encode(v, u, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr):
+    if STOCHASTIC:
+        codes = grid_to_codes(round_sr(v, u, DTYPE), DTYPE, HW)
+    elif HW and DTYPE == 1:
+        codes = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    elif HW and DTYPE == 2:
+        codes = v.to(tl.float16)
+    elif HW and DTYPE == 3:
+        codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    elif HW and DTYPE == 4:
+        codes = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    elif DTYPE == 5:
+        # 1.5·2**23 + v rounds to nearest-even; its low mantissa bits are then the integer.
+        codes = ((v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+    else:
+        codes = grid_to_codes(round_rne(v, DTYPE), DTYPE, HW)
+    return codes
+
+
+@triton.jit
+def decode(codes, DTYPE: tl.constexpr, HW: tl.constexpr):
+    if DTYPE == 1:
+        values = (codes.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif DTYPE == 3:
+        if HW:
+            values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = _fp8_value(codes.to(tl.int32), 3, -6, 7)
+    elif DTYPE == 4:
+        if HW:
+            values = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            values = _fp8_value(codes.to(tl.int32), 2, -14, 15)
+    else:
+        values = codes.to(tl.float32)
+    return values
