@@ -1,0 +1,341 @@
+"""Replay decode (DESIGN.md §3, §3.1): a step kernel for every row and a flush kernel for the
+rows whose ring became full, plus their launcher. Derivations and traffic: kernels/README.md,
+"Replay".
+
+Step kernel, grid ``(nheads × P-tiles, batch)``: reads the slot's cursor ``n`` (tokens in the
+ring), appends the token at ``n``, and, unless the ring is now full, writes the output from the
+read copy (or the checkpoint) and the ring. A row whose ring is full is put on the step's
+flush list (an atomic counter) and gets its output from the flush kernel.
+
+Flush kernel, grid ``(G, nheads)`` with ``G`` small (a few programs per multiprocessor, not one
+per row): each program walks the flush list for its head, folds the ring into the checkpoint
+(from the stored checkpoint, in fp32), writes the output, the new checkpoint and the read copy.
+It also advances every row's cursor, and the last program to finish clears the list, so the
+next step starts clean without the host looking.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import codec
+
+
+@triton.jit
+def _softplus(v):
+    # log1p(e) with log1p(w) = log(1 + w) · w / ((1 + w) − 1), accurate to a few ulp where
+    # log(1 + w) alone loses every digit (small w); identity above 20 as the references do.
+    e = tl.exp(v)
+    one_plus = 1.0 + e
+    log1p = tl.where(one_plus == 1.0, e, tl.log(one_plus) * e / (one_plus - 1.0))
+    return tl.where(v <= 20.0, log1p, v)
+
+
+@triton.jit
+def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    dt = tl.load(dt_ptr).to(tl.float32)
+    if HAS_BIAS:
+        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
+    if SOFTPLUS:
+        dt = _softplus(dt)
+    return dt
+
+
+@triton.jit
+def _scale_offsets(slot, h, rows, cols, nheads, headdim, dstate, GRAN: tl.constexpr):
+    """Offsets of the scale of each element of a ``[BLOCK_P, BLOCK_N]`` tile (row/head/block32)."""
+    head = slot.to(tl.int64) * nheads + h
+    if GRAN == 1:
+        offs = head * headdim + rows[:, None] + cols[None, :] * 0
+    elif GRAN == 2:
+        offs = head + rows[:, None] * 0 + cols[None, :] * 0
+    else:
+        offs = (head * headdim + rows[:, None]) * (dstate // 32) + cols[None, :] // 32
+    return offs
+
+
+@triton.jit
+def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr):
+    """fp32 values ``code · scale`` of one head's ``[BLOCK_P, BLOCK_N]`` tile."""
+    base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
+    codes = tl.load(codes_ptr + base + rows[:, None] * dstate + cols[None, :], mask=mask, other=0)
+    values = codec.decode(codes, DTYPE, HW)
+    if GRAN != 0:
+        scale = tl.load(scale_ptr + _scale_offsets(slot, h, rows, cols, nheads, headdim, dstate, GRAN),
+                        mask=mask, other=1.0)
+        values = values * scale
+    return values
+
+
+@triton.jit
+def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, nheads, headdim, dstate,
+                 DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
+                 EMAX: tl.constexpr, HW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Quantize one head's fp32 tile with the codec, store codes and scales, return ``code · scale``."""
+    base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
+    inner = rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
+    if STOCHASTIC:
+        u = codec.uniform(seed, h * headdim * dstate + inner)
+    else:
+        u = 0.0
+    if GRAN == 0:
+        codes = codec.encode(codec.saturate(values, QMAX), u, DTYPE, STOCHASTIC, HW)
+        stored = codec.decode(codes, DTYPE, HW)
+    else:
+        head = slot.to(tl.int64) * nheads + h
+        magnitude = tl.where(mask, tl.abs(values), 0.0)
+        if GRAN == 1:
+            scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
+            tl.store(scale_ptr + head * headdim + rows, scale, mask=rows < headdim)
+            scale_tile = tl.broadcast_to(scale[:, None], [BLOCK_P, BLOCK_N])
+        elif GRAN == 2:
+            scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
+            tl.store(scale_ptr + head, scale)
+            scale_tile = tl.full([BLOCK_P, BLOCK_N], 0.0, tl.float32) + scale
+        else:
+            NB: tl.constexpr = BLOCK_N // 32
+            scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX, GRAN)
+            blocks = tl.arange(0, NB)
+            tl.store(scale_ptr + (head * headdim + rows[:, None]) * (dstate // 32) + blocks[None, :], scale,
+                     mask=(rows[:, None] < headdim) & (blocks[None, :] < dstate // 32))
+            scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+        v = codec.saturate(codec.divide_rn(values, scale_tile, codec.reciprocal_rn(scale_tile), HW), QMAX)
+        codes = codec.encode(v, u, DTYPE, STOCHASTIC, HW)
+        stored = codec.decode(codes, DTYPE, HW) * scale_tile
+    tl.store(codes_ptr + base + inner, codes, mask=mask)
+    return stored
+
+
+@triton.jit
+def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * x_t
+    if HAS_Z:
+        z = tl.load(z_ptrs, mask=mask_p, other=0.0).to(tl.float32)
+        y = y * z / (1.0 + tl.exp(-z))
+    tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
+
+
+@triton.jit
+def _replay_step_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
+    flush_rows_ptr, flush_counters_ptr,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_y_b, stride_y_h,
+    nheads, headdim, dstate, heads_per_group,
+    L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0) // NUM_P_TILES
+    p_tile = tl.program_id(0) % NUM_P_TILES
+    b = tl.program_id(1)
+    g = h // heads_per_group
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    mask_p = rows < headdim
+    mask_n = cols < dstate
+    y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int32)
+    else:
+        slot = b
+    if slot < 0:
+        tl.store(y_ptrs, tl.zeros([BLOCK_P], tl.float32).to(y_ptrs.dtype.element_ty), mask=mask_p)
+    else:
+        n = tl.load(cursor_ptr + slot)
+        full = n == L - 1
+        dt = _process_dt(dt_ptr + b * stride_dt_b + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
+        x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+        ring_head = slot.to(tl.int64) * nheads + h
+        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+        tl.store(ring_x_ptr + (ring_head * L + n) * headdim + rows, x_t, mask=mask_p)
+        B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
+        if p_tile == 0:
+            tl.store(ring_dt_ptr + ring_head * L + n, dt)
+            if h % heads_per_group == 0:
+                tl.store(ring_B_ptr + (ring_group * L + n) * dstate + cols, B_t, mask=mask_n)
+            if (h == 0) & full:
+                position = tl.atomic_add(flush_counters_ptr, 1)
+                tl.store(flush_rows_ptr + position, b)
+                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+        if n != L - 1:
+            A = tl.load(A_ptr + h).to(tl.float32)
+            js = tl.arange(0, BLOCK_L)
+            older = js < n
+            current = js == n
+            dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=older, other=0.0)
+            dts = tl.where(current, dt, dts)  # [BLOCK_L]; zero after the current token
+            total = tl.sum(dts, axis=0)
+            since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
+            weights = tl.exp(A * since) * dts
+            C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
+                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
+            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+            x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
+                             mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+            x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
+            y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
+            mask = mask_p[:, None] & mask_n[None, :]
+            state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                                DTYPE, GRAN, HW)  # [BLOCK_P, BLOCK_N]
+            y = tl.exp(A * total) * tl.sum(state * C_t[None, :], axis=1) + y_ring
+            _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
+                            mask_p, D_ptr, h, HAS_D, HAS_Z)
+
+
+@triton.jit
+def _replay_flush_kernel(
+    x_ptr, A_ptr, C_ptr, D_ptr, z_ptr, slot_ptr, y_ptr,
+    ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
+    stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b, stride_y_h,
+    batch, nheads, headdim, dstate, heads_per_group,
+    L: tl.constexpr,
+    CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
+    CK_EMAX: tl.constexpr,
+    HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
+    RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    programs = tl.num_programs(0)
+    g = h // heads_per_group
+    rows = tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_L)
+    mask_p = rows < headdim
+    mask_n = cols < dstate
+    mask = mask_p[:, None] & mask_n[None, :]
+    A = tl.load(A_ptr + h).to(tl.float32)
+    count = tl.load(flush_counters_ptr)
+    for r in range(pid, count, programs):
+        b = tl.load(flush_rows_ptr + r)
+        if HAS_SLOTS:
+            slot = tl.load(slot_ptr + b).to(tl.int32)
+        else:
+            slot = b
+        ring_head = slot.to(tl.int64) * nheads + h
+        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+        dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=js < L, other=0.0)  # [BLOCK_L]
+        total = tl.sum(dts, axis=0)
+        weights = tl.exp(A * (total - tl.cumsum(dts, axis=0))) * dts
+        decay = tl.exp(A * total)
+        ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)  # Σ_j w_j · x_j ⊗ B_j
+        for j in range(L):
+            w = tl.sum(tl.where(js == j, weights, 0.0), axis=0)
+            x_j = tl.load(ring_x_ptr + (ring_head * L + j) * headdim + rows, mask=mask_p, other=0.0).to(tl.float32)
+            B_j = tl.load(ring_B_ptr + (ring_group * L + j) * dstate + cols, mask=mask_n, other=0.0).to(tl.float32)
+            ring += (w * x_j)[:, None] * B_j[None, :]
+        checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                                 CK_DTYPE, CK_GRAN, HW)
+        if HAS_READ:
+            read = _load_state(read_ptr, read_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                               RD_DTYPE, RD_GRAN, HW)
+        else:
+            read = checkpoint
+        C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+        y = tl.sum((ring + decay * read) * C_t[None, :], axis=1)
+        x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
+        _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
+                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z)
+        # Stochastic rounding: one Philox stream per (slot, flush), element position as counter.
+        stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
+        stored = _store_state(decay * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
+                              nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
+        if HAS_READ:
+            _store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
+                         nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
+    # Every row's cursor moves on by one token (to 0 after a flush); the step kernel of this
+    # call has finished, so no program reads a cursor while it changes.
+    chunk = h * programs + pid
+    batch_rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_batch = batch_rows < batch
+    if HAS_SLOTS:
+        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int32)
+    else:
+        slots = tl.where(in_batch, batch_rows, -1)
+    live = slots >= 0
+    n = tl.load(cursor_ptr + slots, mask=live, other=0)
+    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
+    # The last program to finish empties the flush list: every program has read `count` by then.
+    finished = tl.atomic_add(flush_counters_ptr + 1, 1)
+    if finished == programs * nheads - 1:
+        tl.store(flush_counters_ptr, 0)
+        tl.store(flush_counters_ptr + 1, 0)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def launch_replay_decode(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
+    checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
+    flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
+):
+    """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
+    x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
+    stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s."""
+    batch, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[1], B.shape[2]
+    L = ring_x.shape[2]
+    hw = codec.hardware_casts(x.device)
+    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
+    has_read = read is not None
+    state_fmt = read_format if has_read else checkpoint_format
+    state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
+    block_n = max(32, triton.next_power_of_2(dstate))
+    block_p = min(triton.next_power_of_2(headdim), max(16, 8192 // block_n))
+    num_p_tiles = triton.cdiv(headdim, block_p)
+    block_l = max(2, triton.next_power_of_2(L))
+    z_arg = z if z is not None else dummy
+    common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw)
+    slots_arg = slot_indices if slot_indices is not None else dummy
+    _replay_step_kernel[(nheads * num_p_tiles, batch)](
+        x, dt, A, B, C, D if D is not None else dummy, z_arg, dt_bias if dt_bias is not None else dummy,
+        slots_arg, out, codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
+        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        z_arg.stride(0), z_arg.stride(1), out.stride(0), out.stride(1),
+        nheads, headdim, dstate, nheads // ngroups,
+        L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
+        HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), NUM_P_TILES=num_p_tiles,
+        BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4, **common,
+    )
+    programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads)))
+    block_r = max(16, triton.next_power_of_2(triton.cdiv(batch, programs * nheads)))
+    _replay_flush_kernel[(programs, nheads)](
+        x, A, C, D if D is not None else dummy, z_arg, slots_arg, out,
+        codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
+        codec.storage_view(read, read_format) if has_read else dummy,
+        read_scale if read_scale is not None else dummy,
+        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
+        x.stride(0), x.stride(1), C.stride(0), C.stride(1), z_arg.stride(0), z_arg.stride(1),
+        out.stride(0), out.stride(1),
+        batch, nheads, headdim, dstate, nheads // ngroups,
+        L=L, CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
+        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
+        CK_EMAX=codec.emax(checkpoint_format),
+        HAS_READ=has_read,
+        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
+        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
+        RD_SR=read_format.stochastic if has_read else False,
+        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
+        RD_EMAX=codec.emax(read_format) if has_read else 0,
+        BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(headdim), BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=8, **common,
+    )

@@ -1,0 +1,369 @@
+"""``ReplayCache``: the device tensors of replay decoding (DESIGN.md §3, §3.1).
+
+One cache serves one SSM layer. Per slot (one sequence) it holds:
+
+==================  =================================================  ==========================
+tensor              shape                                              dtype
+==================  =================================================  ==========================
+``checkpoint``      ``(slots, nheads, headdim, dstate)``               checkpoint storage dtype
+``checkpoint_scale````checkpoint.scale_shape`` or None                   fp32
+``read``            ``(slots, nheads, headdim, dstate)`` or None       read storage dtype
+``read_scale``      ``read.scale_shape`` or None                       fp32
+``ring_x``          ``(slots, nheads, ring_len, headdim)``             ``input_dtype``
+``ring_dt``         ``(slots, nheads, ring_len)``                      fp32 (processed dt)
+``ring_B``          ``(slots, ngroups, ring_len, dstate)``             ``input_dtype``
+``cursor``          ``(slots,)``                                       int32: tokens in the ring
+``generation``      ``(slots,)``                                       int32: flushes so far
+``flush_rows``      ``(slots,)``                                       int32: scratch of a step
+``flush_counters``  ``(2,)``                                           int32: scratch of a step
+==================  =================================================  ==========================
+
+The ring is laid out per head (``ring_x[s, h]`` is one contiguous ``ring_len × headdim``
+block) so that a kernel program reads its head's ring in one sweep; ``B`` is stored once per
+group, as the inputs give it. ``generation`` numbers the flushes of a slot; stochastic
+rounding draws its noise from it, so replaying a CUDA graph draws fresh noise.
+``flush_rows`` and ``flush_counters`` are the work list of one step (rows whose ring became
+full); they are zero between calls.
+
+A serving engine that owns its memory builds a cache over its own tensors with
+:meth:`ReplayCache.from_tensors` (same shapes and dtypes as the table; the checkpoint, read
+copy and ring may be views into a larger pool as long as each is contiguous), then admits each
+sequence with :meth:`reset` after prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _validate
+from .formats import FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
+
+__all__ = ["ReplayCache"]
+
+SlotsLike = Union[torch.Tensor, Sequence[int], int]
+
+
+@dataclasses.dataclass(eq=False)
+class ReplayCache:
+    """Replay state of one layer: checkpoint, read copy, ring of recent inputs, cursors.
+
+    Build with :meth:`allocate` or :meth:`from_tensors`; do not construct directly.
+    """
+
+    checkpoint_format: StateFormat
+    read_format: Optional[StateFormat]
+    ring_len: int
+    checkpoint: torch.Tensor
+    checkpoint_scale: Optional[torch.Tensor]
+    read: Optional[torch.Tensor]
+    read_scale: Optional[torch.Tensor]
+    ring_x: torch.Tensor
+    ring_dt: torch.Tensor
+    ring_B: torch.Tensor
+    cursor: torch.Tensor
+    generation: torch.Tensor
+    flush_rows: torch.Tensor
+    flush_counters: torch.Tensor
+    seed: int = 0
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def allocate(
+        cls, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int = 1, *,
+        ring_len: int = 16, checkpoint: FormatLike = "fp32", read: Optional[FormatLike] = "fp8_e4m3:row",
+        input_dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0,
+    ) -> "ReplayCache":
+        """A zeroed cache of ``num_slots`` slots (cursors at 0, states zero).
+
+        ``checkpoint`` and ``read`` are format strings (``read=None``: no read copy, outputs
+        read the checkpoint). ``input_dtype`` is the dtype of the ring's ``x`` and ``B`` (the
+        dtype of the decode inputs; fp32, bf16 or fp16). ``seed`` seeds stochastic rounding.
+        """
+        for name, v in (("num_slots", num_slots), ("nheads", nheads), ("headdim", headdim),
+                        ("dstate", dstate), ("ngroups", ngroups), ("ring_len", ring_len)):
+            _validate.positive_int(name, v)
+        if nheads % ngroups:
+            raise ValueError(f"ngroups: nheads ({nheads}) must be a multiple of ngroups, got {ngroups}")
+        ck_fmt, read_fmt = _formats(checkpoint, read)
+        _check_input_dtype(input_dtype)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        shape = (num_slots, nheads, headdim, dstate)
+        _check_block32(ck_fmt, "checkpoint", dstate)
+        _check_block32(read_fmt, "read", dstate)
+
+        def zeros(shp, dtype):
+            return torch.zeros(shp, dtype=dtype, device=device)
+
+        def scale(fmt):
+            # A zero state's scale is the format's smallest (2**-126), as quantize(zeros) gives.
+            return None if fmt is None or not fmt.scaled else torch.full(
+                fmt.scale_shape(shape), 2.0 ** -126, dtype=torch.float32, device=device)
+
+        return cls(
+            checkpoint_format=ck_fmt, read_format=read_fmt, ring_len=ring_len,
+            checkpoint=zeros(shape, ck_fmt.storage_dtype), checkpoint_scale=scale(ck_fmt),
+            read=None if read_fmt is None else zeros(shape, read_fmt.storage_dtype),
+            read_scale=scale(read_fmt),
+            ring_x=zeros((num_slots, nheads, ring_len, headdim), input_dtype),
+            ring_dt=zeros((num_slots, nheads, ring_len), torch.float32),
+            ring_B=zeros((num_slots, ngroups, ring_len, dstate), input_dtype),
+            cursor=zeros((num_slots,), torch.int32), generation=zeros((num_slots,), torch.int32),
+            flush_rows=zeros((num_slots,), torch.int32), flush_counters=zeros((2,), torch.int32),
+            seed=int(seed),
+        )
+
+    @classmethod
+    def from_tensors(
+        cls, *, checkpoint: torch.Tensor, ring_x: torch.Tensor, ring_dt: torch.Tensor, ring_B: torch.Tensor,
+        cursor: torch.Tensor, generation: torch.Tensor, flush_rows: torch.Tensor, flush_counters: torch.Tensor,
+        checkpoint_format: FormatLike = "fp32", checkpoint_scale: Optional[torch.Tensor] = None,
+        read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
+        read_scale: Optional[torch.Tensor] = None, seed: int = 0,
+    ) -> "ReplayCache":
+        """A cache over tensors the caller owns (shapes and dtypes in the module docstring).
+
+        Nothing is copied or cleared: zero ``flush_rows`` and ``flush_counters`` and
+        :meth:`reset` every slot before the first decode step.
+        """
+        ck_fmt, read_fmt = _formats(checkpoint_format, read_format)
+        _validate.tensor("ring_x", ring_x, ndim=4)
+        cache = cls(
+            checkpoint_format=ck_fmt, read_format=read_fmt, ring_len=ring_x.shape[2],
+            checkpoint=checkpoint, checkpoint_scale=checkpoint_scale, read=read, read_scale=read_scale,
+            ring_x=ring_x, ring_dt=ring_dt, ring_B=ring_B, cursor=cursor, generation=generation,
+            flush_rows=flush_rows, flush_counters=flush_counters, seed=int(seed),
+        )
+        cache.validate()
+        return cache
+
+    def validate(self) -> None:
+        """Check shapes, dtypes, devices and contiguity of every tensor; raise naming the field."""
+        _validate.tensor("checkpoint", self.checkpoint, ndim=4, floating=False)
+        slots, nheads, headdim, dstate = self.checkpoint.shape
+        _validate.tensor("ring_B", self.ring_B, ndim=4, floating=False)
+        ngroups = self.ring_B.shape[1]
+        shape = tuple(self.checkpoint.shape)
+        L = self.ring_len
+        expected = {
+            "checkpoint": (self.checkpoint, shape, self.checkpoint_format.storage_dtype),
+            "ring_x": (self.ring_x, (slots, nheads, L, headdim), self.ring_x.dtype),
+            "ring_dt": (self.ring_dt, (slots, nheads, L), torch.float32),
+            "ring_B": (self.ring_B, (slots, ngroups, L, dstate), self.ring_x.dtype),
+            "cursor": (self.cursor, (slots,), torch.int32),
+            "generation": (self.generation, (slots,), torch.int32),
+            "flush_rows": (self.flush_rows, (slots,), torch.int32),
+            "flush_counters": (self.flush_counters, (2,), torch.int32),
+        }
+        fields = [("checkpoint_scale", self.checkpoint_scale, self.checkpoint_format),
+                  ("read", self.read, self.read_format), ("read_scale", self.read_scale, self.read_format)]
+        for name, t, fmt in fields:
+            if name == "read":
+                want = None if fmt is None else (shape, fmt.storage_dtype)
+            else:
+                want = None if fmt is None or not fmt.scaled else (tuple(fmt.scale_shape(shape)), torch.float32)
+            if want is None:
+                if t is not None:
+                    raise ValueError(f"{name}: expected None for format {fmt}, got a tensor")
+            else:
+                if t is None:
+                    raise ValueError(f"{name}: expected a tensor of shape {want[0]} for format {fmt}, got None")
+                expected[name] = (t, want[0], want[1])
+        _check_input_dtype(self.ring_x.dtype, "ring_x")
+        if ngroups < 1 or nheads % ngroups:
+            raise ValueError(f"ring_B: nheads ({nheads}) must be a multiple of ngroups, got {ngroups}")
+        _check_block32(self.checkpoint_format, "checkpoint", dstate)
+        _check_block32(self.read_format, "read", dstate)
+        device = self.checkpoint.device
+        for name, (t, shp, dtype) in expected.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(shp):
+                raise ValueError(f"{name}: expected shape {tuple(shp)}, got {tuple(t.shape)}")
+            if t.dtype != dtype:
+                raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name}: expected device {device} (the checkpoint's), got {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+    # ---------------------------------------------------------------- sizes
+
+    @property
+    def num_slots(self) -> int:
+        return self.checkpoint.shape[0]
+
+    @property
+    def nheads(self) -> int:
+        return self.checkpoint.shape[1]
+
+    @property
+    def headdim(self) -> int:
+        return self.checkpoint.shape[2]
+
+    @property
+    def dstate(self) -> int:
+        return self.checkpoint.shape[3]
+
+    @property
+    def ngroups(self) -> int:
+        return self.ring_B.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.checkpoint.device
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.ring_x.dtype
+
+    def tensors(self) -> dict:
+        """Every tensor of the cache by field name (None for absent ones)."""
+        names = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
+                 "cursor", "generation", "flush_rows", "flush_counters")
+        return {n: getattr(self, n) for n in names}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of the cache."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+
+    def bytes_per_step(self) -> float:
+        """Bytes of cache traffic per slot and decode step, averaged over one flush cycle.
+
+        Counts what the kernels move (kernels/README.md, "Replay: traffic"): the state read of
+        the ``ring_len − 1`` normal steps (read copy, or checkpoint, with scales), the flush
+        (read checkpoint and the read copy for the output, write both) and the ring (the reads
+        of the tokens already in it, each token's append, and the flush's read of all of them).
+        Decode inputs and outputs (x, dt, B, C, z, y) are not included.
+        """
+        L = self.ring_len
+        ck = _state_bytes(self.checkpoint, self.checkpoint_scale)
+        rd = ck if self.read is None else _state_bytes(self.read, self.read_scale)
+        per_token = self.nheads * (self.headdim * self.ring_x.element_size() + 4) + \
+            self.ngroups * self.dstate * self.ring_B.element_size()
+        flush = ck + ck + (0 if self.read is None else rd + rd)
+        normal_ring_reads = (L - 1) * (L - 2) // 2  # tokens already in the ring, steps n = 0 .. L-2
+        ring = (normal_ring_reads + L + L) * per_token  # + the flush's read of L tokens + L appends
+        return ((L - 1) * rd + flush + ring) / L
+
+    # ---------------------------------------------------------------- admission and read-out
+
+    def _slots(self, slots: SlotsLike, name: str = "slots") -> torch.Tensor:
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            slots = [slots]
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
+                raise TypeError(f"{name}: expected a 1-D integer tensor, got {slots.dtype} shape {tuple(slots.shape)}")
+            idx = slots.to(device=self.device, dtype=torch.long)
+        else:
+            try:
+                idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {slots!r}") from None
+            if idx.dim() != 1:
+                raise TypeError(f"{name}: expected a flat sequence of ints, got {slots!r}")
+        if idx.numel() == 0:
+            return idx
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.num_slots:
+            raise ValueError(f"{name}: expected slot indices in [0, {self.num_slots}), got min {lo}, max {hi}")
+        if torch.unique(idx).numel() != idx.numel():
+            raise ValueError(f"{name}: expected distinct slot indices, got repeats in {idx.tolist()}")
+        return idx
+
+    def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None, *,
+              generator: Optional[torch.Generator] = None) -> None:
+        """Admit sequences: checkpoint ← ``state`` (or zeros), read copy rebuilt, ring emptied.
+
+        ``state (len(slots), nheads, headdim, dstate)``, floating point (the prefill's final
+        state), any device. The checkpoint stores ``quantize(state, checkpoint_format)`` and the
+        read copy ``quantize(dequantize(checkpoint), read_format)``, as the reference does.
+        Stochastic checkpoint formats draw from ``generator``.
+        """
+        idx = self._slots(slots)
+        shape = (idx.numel(), self.nheads, self.headdim, self.dstate)
+        if state is None:
+            values = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        else:
+            _validate.tensor("state", state, ndim=4)
+            _validate.shape("state", state, shape, "(len(slots), nheads, headdim, dstate)")
+            values = state.to(device=self.device, dtype=torch.float32)
+        if idx.numel() == 0:
+            return
+        ck = quantize(values, self.checkpoint_format, generator=generator)
+        self.checkpoint[idx] = ck.data
+        if self.checkpoint_scale is not None:
+            self.checkpoint_scale[idx] = ck.scale
+        if self.read is not None:
+            rd = quantize(dequantize(ck), self.read_format)
+            self.read[idx] = rd.data
+            if self.read_scale is not None:
+                self.read_scale[idx] = rd.scale
+        self.cursor[idx] = 0
+
+    def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
+        """fp32 values of the stored checkpoints of ``slots``: ``(n, nheads, headdim, dstate)``."""
+        idx = self._slots(slots)
+        scale = None if self.checkpoint_scale is None else self.checkpoint_scale[idx]
+        return dequantize(QuantizedState(self.checkpoint[idx], scale, self.checkpoint_format))
+
+    def read_values(self, slots: SlotsLike) -> torch.Tensor:
+        """fp32 values the outputs read: the read copy, or the checkpoint without one."""
+        if self.read is None:
+            return self.checkpoint_values(slots)
+        idx = self._slots(slots)
+        scale = None if self.read_scale is None else self.read_scale[idx]
+        return dequantize(QuantizedState(self.read[idx], scale, self.read_format))
+
+    def materialize(self, slots: SlotsLike, A: torch.Tensor) -> torch.Tensor:
+        """fp32 state of ``slots`` with their rings folded in: ``(n, nheads, headdim, dstate)``.
+
+        ``S = exp(A·Λ)·deq(checkpoint) + Σ_j exp(A·(Λ − Λ_j))·dt_j · x_j ⊗ B_j`` over the
+        ``cursor`` tokens in each ring (DESIGN.md §3), computed in fp64 and rounded to fp32.
+        ``A (nheads,)`` is the layer's ``A``, needed for the decay.
+        """
+        idx = self._slots(slots)
+        _validate.tensor("A", A, ndim=1)
+        _validate.shape("A", A, (self.nheads,), "(nheads,)")
+        f = torch.float64
+        S = self.checkpoint_values(idx).to(f)
+        n = self.cursor[idx].long()  # [n_slots]
+        live = (torch.arange(self.ring_len, device=self.device)[None, :] < n[:, None]).to(f)  # [n_slots, L]
+        dts = self.ring_dt[idx].to(f) * live[:, None, :]  # [n_slots, nheads, L]; empty entries weigh 0
+        suffix = dts.sum(-1, keepdim=True) - torch.cumsum(dts, dim=-1)  # Λ − Λ_j
+        Af = A.to(device=self.device, dtype=f)[None, :, None]
+        decay = torch.exp(Af * dts.sum(-1, keepdim=True))[..., None]  # [n_slots, nheads, 1, 1]
+        w = torch.exp(Af * suffix) * dts  # [n_slots, nheads, L]
+        Bh = self.ring_B[idx].to(f).repeat_interleave(self.nheads // self.ngroups, dim=1)  # [n, H, L, N]
+        ring = torch.einsum("shl,shlp,shln->shpn", w, self.ring_x[idx].to(f), Bh)
+        return (decay * S + ring).float()
+
+
+def _formats(checkpoint: FormatLike, read: Optional[FormatLike]):
+    ck_fmt = as_format(checkpoint, "checkpoint")
+    read_fmt = None if read is None else as_format(read, "read")
+    if ck_fmt.granularity not in (None, "row"):
+        raise ValueError(f"checkpoint: expected fp32, bf16, fp16 (optionally +sr) or an 8-bit ':row' format, got {ck_fmt}")
+    return ck_fmt, read_fmt
+
+
+def _check_block32(fmt: Optional[StateFormat], name: str, dstate: int) -> None:
+    if fmt is not None and fmt.granularity == "block32" and dstate % 32:
+        raise ValueError(f"{name}: format {fmt} needs dstate % 32 == 0, got dstate {dstate}")
+
+
+def _check_input_dtype(dtype, name: str = "input_dtype") -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+
+
+def _state_bytes(data: torch.Tensor, scale: Optional[torch.Tensor]) -> float:
+    """Bytes of one slot's state (codes and scales)."""
+    per_slot = data[0].numel() * data.element_size()
+    if scale is not None:
+        per_slot += scale[0].numel() * 4
+    return float(per_slot)
