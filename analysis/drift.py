@@ -1,0 +1,331 @@
+"""Drift of storage schemes against the exact recurrence: :func:`simulate` and :class:`DriftResult`.
+
+Measures (per scheme, recorded step and head; definitions in ``analysis/README.md``):
+
+* output error ``‖y − y_ref‖ / ‖y_ref‖`` (norms over batch × headdim);
+* state error ``‖S − S_ref‖ / ‖S_ref‖`` (over batch × headdim × dstate; for replay the state the
+  checkpoint and ring stand for);
+* stalled fraction: the share of stored elements a step left unchanged (conventional), or a
+  flush left unchanged in the checkpoint (replay). A head is *stagnated* when its mean stalled
+  fraction over the second half of the recorded steps exceeds one half.
+
+A scheme whose outputs turn NaN or infinite is marked failed at the first step where that is
+seen (every step is checked); its numbers are then NaN and its summary row says ``failed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from qstate import _validate
+from qstate import profiles as _profiles
+
+from .engine import Conventional, Exact, ReplayGroup, StepInputs
+from .schemes import Scheme, parse_schemes
+
+__all__ = ["simulate", "DriftResult", "Summary", "STAGNATION_THRESHOLD"]
+
+STAGNATION_THRESHOLD = 0.5
+_CHUNK_ELEMENTS = 1 << 22  # doubles of x drawn per input chunk (all heads of the model)
+
+
+def _chunk_seed(seed: int, k: int) -> int:
+    return (seed * 1_000_003 + k * 7_919) % (2**63)
+
+
+def _input_chunks(profile, steps, batch, heads, seed, inputs):
+    """Time slices of the decode inputs. Sampled chunk by chunk so memory stays bounded: chunk 0
+    is ``profile.sample_inputs(..., seed=seed)`` (so short runs see exactly those inputs), later
+    chunks use derived seeds and the head parameters (A, D, dt_bias) of chunk 0."""
+    if inputs is not None:
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, inputs.x[0].numel()))
+        for start in range(0, steps, chunk):
+            sl = slice(start, min(steps, start + chunk))
+            yield dataclasses.replace(inputs, x=inputs.x[sl], dt=inputs.dt[sl], B=inputs.B[sl], C=inputs.C[sl],
+                                      z=None if inputs.z is None else inputs.z[sl])
+        return
+    chunk = max(1, _CHUNK_ELEMENTS // (batch * profile.nheads * profile.headdim))
+    first = None
+    for k, start in enumerate(range(0, steps, chunk)):
+        n = min(chunk, steps - start)
+        part = profile.sample_inputs(n, batch, heads=heads, seed=seed if k == 0 else _chunk_seed(seed, k))
+        if first is None:
+            first = part
+        else:
+            part = dataclasses.replace(part, A=first.A, D=first.D, dt_bias=first.dt_bias, heads=first.heads)
+        yield part
+
+
+def _recorded_steps(steps: int, every: int) -> list[int]:
+    return [t for t in range(1, steps + 1) if t % every == 0 or t == steps]
+
+
+def _progress(total: int, enabled: Optional[bool]):
+    if enabled is None:
+        enabled = total >= 2048 and sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="step", desc="drift", leave=False)
+
+
+def simulate(
+    profile,
+    schemes,
+    steps: int,
+    *,
+    batch: int = 4,
+    heads: Union[None, int, Sequence[int]] = None,
+    seed: int = 0,
+    device: Union[str, torch.device] = "cpu",
+    every: int = 1,
+    inputs: Optional[_profiles.DecodeInputs] = None,
+    progress: Optional[bool] = None,
+) -> "DriftResult":
+    """Run every scheme and the exact fp64 recurrence on identical inputs for ``steps`` tokens.
+
+    ``profile``: a :class:`qstate.profiles.Profile` or its name. ``schemes``: Schemes or their
+    strings (a comma-separated string works). ``heads``: None (all heads), an int k (k heads
+    spanning the decay range) or head indices. ``every``: record every ``every``-th step (and the
+    last). ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of
+    sampling from the profile (``batch``, ``heads`` and ``seed`` then only name the run).
+    Stochastic schemes draw their noise from generators seeded with ``seed`` (one per scheme).
+    """
+    profile = _profiles.get(profile)
+    scheme_list = parse_schemes(schemes)
+    _validate.positive_int("steps", steps)
+    _validate.positive_int("every", every)
+    device = torch.device(device)
+    if inputs is not None:
+        if not isinstance(inputs, _profiles.DecodeInputs):
+            raise TypeError(f"inputs: expected a DecodeInputs, got {type(inputs).__name__}")
+        if inputs.x.shape[0] < steps:
+            raise ValueError(f"steps: expected at most the {inputs.x.shape[0]} steps of inputs, got {steps}")
+        batch, head_list = inputs.x.shape[1], [int(h) for h in inputs.heads]
+        state0 = inputs.state0
+        decay = inputs.decay()
+    else:
+        _validate.positive_int("batch", batch)
+        head_list = profile._resolve_heads(heads, seed)
+        state0 = None
+        decay = None
+
+    recorded = _recorded_steps(steps, every)
+    record_index = {t: r for r, t in enumerate(recorded)}
+    nrec, nh, ns = len(recorded), len(head_list), len(scheme_list)
+    out_err = np.full((ns, nrec, nh), np.nan)
+    state_err = np.full((ns, nrec, nh), np.nan)
+    stalled = np.full((ns, nrec, nh), np.nan)
+    failed_at: dict[int, int] = {}
+
+    conv_idx = [j for j, s in enumerate(scheme_list) if not s.is_replay]
+    ring_lens = sorted({s.ring_len for s in scheme_list if s.is_replay})
+    group_idx = {L: [j for j, s in enumerate(scheme_list) if s.is_replay and s.ring_len == L] for L in ring_lens}
+
+    def generator(j):
+        s = scheme_list[j]
+        needs = s.fmt.stochastic if not s.is_replay else (
+            s.checkpoint.stochastic or (s.read is not None and s.read.stochastic))
+        return torch.Generator(device=device).manual_seed(seed + j) if needs else None
+
+    exact = conv = groups = None
+    bar = _progress(steps, progress)
+    start_time = time.perf_counter()
+    t = 0
+    for chunk in _input_chunks(profile, steps, batch, head_list, seed, inputs):
+        if exact is None:
+            if decay is None:
+                decay = chunk.decay()
+            s0 = (chunk.state0 if state0 is None else state0).to(device)
+            exact = Exact(s0)
+            conv = {j: Conventional(scheme_list[j], s0, generator(j)) for j in conv_idx}
+            groups = {L: ReplayGroup([scheme_list[j] for j in idx], s0, [generator(j) for j in idx])
+                      for L, idx in group_idx.items()}
+            outer32 = torch.empty(s0.shape, dtype=torch.float32, device=device)
+        s = StepInputs.build(chunk, device)
+        for i in range(chunk.x.shape[0]):
+            t += 1
+            r = record_index.get(t)
+            y_ref = exact.step(s, i)
+            outputs = {}
+            if conv:
+                torch.mul(s.dx32[i][..., None], s.B32[i][..., None, :], out=outer32)
+                for j, c in conv.items():
+                    outputs[j] = c.step(s, i, outer32, keep_previous=r is not None)
+            for L, g in groups.items():
+                ys = g.step(s, i, exact.state)
+                for k, j in enumerate(group_idx[L]):
+                    outputs[j] = ys[k]
+            y_all = torch.stack([outputs[j] for j in range(ns)]).double()  # [schemes, batch, heads, headdim]
+            bad = ~torch.isfinite(y_all).flatten(1).all(dim=1)
+            if bool(bad.any()):
+                for j in bad.nonzero().flatten().tolist():
+                    failed_at.setdefault(j, t)
+            if r is not None:
+                ref_norm = y_ref.square().sum(dim=(0, 2)).sqrt()
+                err = (y_all - y_ref).square().sum(dim=(1, 3)).sqrt() / ref_norm
+                out_err[:, r] = err.cpu().numpy()
+                exact_norm = exact.state.square().sum(dim=(0, 2, 3)).sqrt()
+                for j, c in conv.items():
+                    state_err[j, r] = (c.state_error_sq(exact.state).sqrt() / exact_norm).cpu().numpy()
+                    stalled[j, r] = c.stalled().cpu().numpy()
+                for L, g in groups.items():
+                    se = (g.state_error_sq().sqrt() / exact_norm).cpu().numpy()
+                    st = g.stall.cpu().numpy()
+                    for k, j in enumerate(group_idx[L]):
+                        state_err[j, r], stalled[j, r] = se[k], st[k]
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - start_time
+    for j, step in failed_at.items():
+        out_err[j], state_err[j], stalled[j] = np.nan, np.nan, np.nan
+    elements = batch * nh * profile.headdim * profile.dstate
+    return DriftResult(
+        profile=profile, schemes=scheme_list, heads=head_list, decay=[float(d) for d in decay],
+        steps=steps, batch=batch, seed=seed, every=every, recorded_steps=np.array(recorded),
+        output_error=out_err, state_error=state_err, stalled=stalled,
+        failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
+        elapsed_s=elapsed, element_steps=float(elements) * steps,
+    )
+
+
+class Summary(list):
+    """Rows (dicts) of :meth:`DriftResult.summary`; ``str()`` gives a markdown table."""
+
+    columns = ("scheme", "bytes_per_step", "bytes_resident", "final_error", "max_error", "p99_error",
+               "growth_exponent", "stagnated_fraction", "failed_at")
+
+    def markdown(self, columns: Optional[Sequence[str]] = None) -> str:
+        columns = list(columns or self.columns)
+
+        def cell(v):
+            if v is None:
+                return "—"
+            if isinstance(v, float):
+                if math.isnan(v):
+                    return "—"
+                return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
+            return str(v)
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in self]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.markdown()
+
+
+def _growth_exponent(steps: np.ndarray, err: np.ndarray) -> float:
+    """Slope of log(error) against log(step) over the second half of the run (scipy linregress)."""
+    from scipy import stats
+
+    half = steps >= steps[-1] / 2
+    x, y = np.log(steps[half]), err[half]
+    ok = np.isfinite(y) & (y > 0)
+    if ok.sum() < 3 or np.ptp(x[ok]) == 0:
+        return float("nan")
+    return float(stats.linregress(x[ok], np.log(y[ok])).slope)
+
+
+@dataclasses.dataclass
+class DriftResult:
+    """What :func:`simulate` measured. Arrays are ``[scheme, recorded step, head]``."""
+
+    profile: _profiles.Profile
+    schemes: list
+    heads: list
+    decay: list  # typical decay exp(softplus(dt_bias)·A) per head
+    steps: int
+    batch: int
+    seed: int
+    every: int
+    recorded_steps: np.ndarray
+    output_error: np.ndarray
+    state_error: np.ndarray
+    stalled: np.ndarray
+    failed_at: dict
+    elapsed_s: float
+    element_steps: float  # state elements × steps, per scheme
+
+    def head_curve(self, j: int) -> np.ndarray:
+        """Output error of scheme ``j`` at each recorded step, rms over heads."""
+        return np.sqrt(np.mean(self.output_error[j] ** 2, axis=1))
+
+    def stagnated(self, j: int) -> np.ndarray:
+        """Per head: mean stalled fraction over the second half of the recorded steps > 1/2."""
+        half = self.recorded_steps >= self.recorded_steps[-1] / 2
+        return np.nanmean(self.stalled[j][half], axis=0) > STAGNATION_THRESHOLD
+
+    def row(self, j: int) -> dict:
+        scheme = self.schemes[j]
+        row = {
+            "scheme": str(scheme),
+            "bytes_per_step": scheme.bytes_per_step(self.profile),
+            "bytes_resident": scheme.bytes_resident(self.profile),
+            "failed_at": self.failed_at.get(str(scheme)),
+        }
+        if row["failed_at"] is not None:
+            row.update(final_error=None, max_error=None, p99_error=None, growth_exponent=None,
+                       stagnated_fraction=None)
+            return row
+        per_head_max = np.max(self.output_error[j], axis=0)
+        row.update(
+            final_error=float(np.quantile(self.output_error[j][-1], 0.99)),
+            max_error=float(np.max(per_head_max)),
+            p99_error=float(np.quantile(per_head_max, 0.99)),
+            growth_exponent=_growth_exponent(self.recorded_steps, self.head_curve(j)),
+            stagnated_fraction=float(np.mean(self.stagnated(j))),
+        )
+        return row
+
+    def summary(self) -> Summary:
+        """One row per scheme: ``scheme, bytes_per_step, bytes_resident, final_error`` (p99 over
+        heads at the last step), ``max_error`` (over heads and steps), ``p99_error`` (p99 over heads
+        of each head's largest error), ``growth_exponent``, ``stagnated_fraction`` (of heads),
+        ``failed_at`` (step, or None)."""
+        return Summary(self.row(j) for j in range(len(self.schemes)))
+
+    def element_steps_per_second(self) -> float:
+        """State element-steps per second of the whole run, summed over schemes."""
+        return self.element_steps * len(self.schemes) / max(self.elapsed_s, 1e-12)
+
+    def to_dict(self) -> dict:
+        def clean(a):
+            return [[[None if not np.isfinite(v) else float(v) for v in row] for row in m] for m in a]
+
+        p = self.profile
+        return {
+            "profile": {"name": p.name, "nheads": p.nheads, "headdim": p.headdim, "dstate": p.dstate,
+                        "ngroups": p.ngroups},
+            "schemes": [str(s) for s in self.schemes],
+            "heads": self.heads, "decay": self.decay, "steps": self.steps, "batch": self.batch,
+            "seed": self.seed, "every": self.every, "recorded_steps": self.recorded_steps.tolist(),
+            "summary": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+                        for row in self.summary()],
+            "output_error": clean(self.output_error), "state_error": clean(self.state_error),
+            "stalled": clean(self.stalled), "failed_at": self.failed_at,
+            "elapsed_s": self.elapsed_s, "element_steps": self.element_steps,
+        }
+
+    def to_json(self, path: Union[str, os.PathLike]) -> None:
+        """Write everything (summary and the per step, per head arrays) as JSON."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh)
+
+    def plot(self, path: Union[str, os.PathLike]) -> None:
+        """Error against step (log–log, rms over heads) per scheme, and the final error by decay class."""
+        from .plots import plot_drift
+
+        plot_drift(self, path)

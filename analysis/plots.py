@@ -1,0 +1,58 @@
+"""Figures of a drift run (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DECAY_CLASSES", "decay_class", "plot_drift"]
+
+# Edges of the decay classes (typical a = exp(dt·A) of a head): short memory … long memory.
+DECAY_CLASSES = ((0.0, 0.9, "a < 0.9"), (0.9, 0.99, "0.9 ≤ a < 0.99"), (0.99, 0.999, "0.99 ≤ a < 0.999"),
+                 (0.999, 1.0, "a ≥ 0.999"))
+
+
+def decay_class(decay) -> np.ndarray:
+    """Index into :data:`DECAY_CLASSES` of each decay."""
+    decay = np.asarray(decay)
+    return np.searchsorted([hi for _, hi, _ in DECAY_CLASSES[:-1]], decay, side="right")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_drift(result, path) -> None:
+    plt = _pyplot()
+    fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(13, 5))
+    steps = result.recorded_steps
+    classes = decay_class(result.decay)
+    width = 0.8 / max(1, len(result.schemes))
+    for j, scheme in enumerate(result.schemes):
+        if str(scheme) in result.failed_at:
+            continue
+        curve = result.head_curve(j)
+        ok = np.isfinite(curve) & (curve > 0)
+        ax_t.loglog(steps[ok], curve[ok], label=str(scheme))
+        final = result.output_error[j][-1]
+        per_class = [np.sqrt(np.mean(final[classes == c] ** 2)) if np.any(classes == c) else np.nan
+                     for c in range(len(DECAY_CLASSES))]
+        ax_h.bar(np.arange(len(DECAY_CLASSES)) + j * width, per_class, width=width, label=str(scheme))
+    ax_t.set_xlabel("decode step")
+    ax_t.set_ylabel("relative output error (rms over heads)")
+    ax_t.set_title(f"{result.profile.name}: error against step")
+    ax_t.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=7)
+    ax_h.set_yscale("log")
+    ax_h.set_xticks(np.arange(len(DECAY_CLASSES)) + 0.4 - width / 2)
+    ax_h.set_xticklabels([label for _, _, label in DECAY_CLASSES])
+    ax_h.set_ylabel("relative output error at the last step (rms over heads of the class)")
+    ax_h.set_title("error by head decay class")
+    ax_h.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

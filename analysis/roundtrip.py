@@ -1,0 +1,58 @@
+"""In-place store-and-reload of a state in a format: ``S ← dequantize(quantize(S, fmt))``.
+
+The drift engine keeps every stored state as the fp32 values it decodes to; this module gives
+those values with as few passes over memory as torch allows, bit for bit equal to
+:func:`qstate.formats.quantize` followed by :func:`qstate.formats.dequantize`:
+
+* round-to-nearest-even goes through torch's own casts (fp32 → bf16 / fp16 / fp8 round to
+  nearest even, subnormals included) after the explicit clamp to ``±qmax``, so no cast ever
+  sees an out-of-range value (the torch-version differences of DESIGN.md §7 are about those);
+  int8 uses ``torch.round`` (half to even);
+* stochastic rounding uses :func:`qstate.formats.quantize` itself, so a generator seeded like
+  the one given to :func:`qstate.reference.decode_naive` draws the same noise.
+
+``tests/test_schemes.py`` checks the equality on values spanning subnormals, ties and saturation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from qstate.formats import BLOCK, FLT_MIN, StateFormat, dequantize, quantize
+
+__all__ = ["roundtrip_"]
+
+
+def _scale(grouped: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The fp32 scale of each group (rules 1–2 of :mod:`qstate.formats`), shaped to broadcast
+    against ``grouped`` (the state, or for ``block32`` its ``(..., dstate // 32, 32)`` view)."""
+    dims = (-2, -1) if fmt.granularity == "head" else -1
+    amax = torch.linalg.vector_norm(grouped, ord=float("inf"), dim=dims, keepdim=True)
+    if fmt.granularity != "block32":
+        return torch.clamp(amax / fmt.qmax, FLT_MIN, fmt.max_scale)
+    _, exp = torch.frexp(amax)
+    shared = torch.clamp(exp - 1 - fmt.emax, min=-126, max=126 - fmt.emax)
+    return torch.ldexp(torch.ones_like(amax), shared)
+
+
+def roundtrip_(values: torch.Tensor, fmt: StateFormat, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Replace fp32 ``values (..., headdim, dstate)`` by their stored-and-reloaded values; returns it."""
+    if fmt.dtype == "fp32":
+        return values
+    if fmt.stochastic:
+        values.copy_(dequantize(quantize(values, fmt, generator=generator)))
+        return values
+    grouped = values.unflatten(-1, (-1, BLOCK)) if fmt.granularity == "block32" else values
+    scale = _scale(grouped, fmt) if fmt.scaled else None
+    if scale is not None:
+        grouped.div_(scale)
+    grouped.clamp_(-fmt.qmax, fmt.qmax)
+    if fmt.dtype == "int8":
+        grouped.round_()
+    else:
+        grouped.copy_(grouped.to(fmt.storage_dtype))
+    if scale is not None:
+        grouped.mul_(scale)
+    return values

@@ -1,0 +1,110 @@
+"""Drift engine: reproduces the fp64 references scheme by scheme, records what it promises,
+reports failures as failures, and rejects bad arguments by name."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qstate import profiles, reference
+from qstate.analysis import drift
+from qstate.analysis.drift import simulate
+
+TINY = profiles.Profile("tiny", 6, 16, 64, 2, 1)
+SCHEMES = ["fp32", "bf16", "fp8_e4m3:row", "int8:block32", "fp8_e4m3:row+sr", "replay/fp32/5",
+           "replay/fp32/fp8_e4m3:row/5", "replay/bf16/int8:row/7", "replay/int8:row/fp8_e5m2:row+sr/5"]
+T, BATCH, SEED = 40, 2, 3
+
+
+def per_head_rel(a, b, dims):
+    return ((a.double() - b).square().sum(dim=dims).sqrt() / b.square().sum(dim=dims).sqrt()).numpy()
+
+
+@pytest.fixture(scope="module")
+def run():
+    inputs = TINY.sample_inputs(T, BATCH, seed=SEED)
+    result = simulate(TINY, SCHEMES, T, batch=BATCH, seed=SEED)
+    y_exact, s_exact = reference.decode_exact(**inputs.kwargs())
+    return inputs, result, y_exact, s_exact
+
+
+def test_engine_reproduces_the_references(run):
+    inputs, result, y_exact, s_exact = run
+    for j, scheme in enumerate(result.schemes):
+        gen = torch.Generator().manual_seed(SEED + j)  # the engine seeds scheme j's noise with seed + j
+        if scheme.is_replay:
+            y, _ = reference.decode_replay(**inputs.kwargs(), checkpoint=scheme.checkpoint, read=scheme.read,
+                                           ring_len=scheme.ring_len, generator=gen)
+            # Same fp64 ring algebra: only fp64 rounding differs (order of sums).
+            np.testing.assert_allclose(result.output_error[j], per_head_rel(y, y_exact, (1, 3)),
+                                       rtol=1e-6, atol=1e-13, err_msg=str(scheme))
+        else:
+            y, state = reference.decode_naive(**inputs.kwargs(), fmt=scheme.fmt, generator=gen)
+            # The stored state is bit for bit the reference's, so its error is the same number ...
+            np.testing.assert_allclose(result.state_error[j, -1], per_head_rel(state, s_exact, (0, 2, 3)),
+                                       rtol=1e-12, err_msg=str(scheme))
+            # ... and outputs differ only by the fp32 summation order over dstate (64 terms):
+            # |Δy| ≲ 64 · 2^-24 · Σ|S·C| — far below 1e-5 of ‖y‖ here.
+            np.testing.assert_allclose(result.output_error[j], per_head_rel(y, y_exact, (1, 3)),
+                                       rtol=0, atol=1e-5, err_msg=str(scheme))
+
+
+def test_records_every_kth_step_and_the_last():
+    result = simulate(TINY, ["fp32"], 10, batch=1, every=4)
+    assert result.recorded_steps.tolist() == [4, 8, 10]
+    assert result.output_error.shape == (1, 3, TINY.nheads)
+
+
+def test_long_runs_sample_inputs_chunk_by_chunk(monkeypatch):
+    # Beyond one chunk the head parameters stay those of chunk 0 and the run stays finite.
+    monkeypatch.setattr(drift, "_CHUNK_ELEMENTS", BATCH * TINY.nheads * TINY.headdim * 7)
+    chunks = list(drift._input_chunks(TINY, 20, BATCH, list(range(TINY.nheads)), SEED, None))
+    assert [c.x.shape[0] for c in chunks] == [7, 7, 6]
+    assert all(torch.equal(c.A, chunks[0].A) and torch.equal(c.dt_bias, chunks[0].dt_bias) for c in chunks)
+    first = TINY.sample_inputs(7, BATCH, seed=SEED)
+    assert torch.equal(chunks[0].x, first.x)
+    result = simulate(TINY, ["fp8_e4m3:row"], 20, batch=BATCH, seed=SEED)
+    assert np.isfinite(result.output_error).all()
+
+
+def test_summary_rows_and_json(tmp_path, run):
+    _, result, _, _ = run
+    rows = result.summary()
+    assert [r["scheme"] for r in rows] == SCHEMES
+    for row in rows:
+        assert set(drift.Summary.columns) <= set(row)
+        assert row["failed_at"] is None and 0 <= row["stagnated_fraction"] <= 1
+        assert row["p99_error"] <= row["max_error"]
+    text = str(rows)
+    assert text.startswith("| scheme |") and "replay/fp32/fp8_e4m3:row/5" in text
+    result.to_json(tmp_path / "drift.json")
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["schemes"] == SCHEMES and len(data["output_error"][0]) == T
+    result.plot(tmp_path / "drift.png")
+    assert (tmp_path / "drift.png").stat().st_size > 0
+
+
+def test_overflow_is_a_failure_with_its_step():
+    inputs = TINY.sample_inputs(12, 1, seed=1)
+    huge = dataclasses.replace(inputs, x=inputs.x * 1e19, B=inputs.B * 1e19)  # fp64 fine, fp32 overflows
+    result = simulate(TINY, ["fp32", "bf16", "replay/fp32/4"], 12, inputs=huge)
+    # The conventional update runs in fp32 (as a kernel does) and overflows, whatever the storage;
+    # replay computes in fp64 and its checkpoints stay in range here.
+    assert isinstance(result.failed_at["fp32"], int) and 1 <= result.failed_at["fp32"] <= 12
+    assert isinstance(result.failed_at["bf16"], int)
+    assert "replay/fp32/4" not in result.failed_at and result.summary()[2]["max_error"] < 1e-6
+    row = result.summary()[0]
+    assert row["failed_at"] == result.failed_at["fp32"] and row["p99_error"] is None
+    assert np.isnan(result.output_error[0]).all()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(steps=0), "steps"), (dict(steps=5, every=0), "every"), (dict(steps=5, heads=[0, 6]), "heads"),
+    (dict(steps=5, batch=0), "batch"), (dict(steps=5, schemes="fp9"), "scheme"),
+])
+def test_bad_arguments_name_themselves(kwargs, name):
+    kwargs = {"schemes": ["fp32"], **kwargs}
+    with pytest.raises((ValueError, TypeError), match=name):
+        simulate(TINY, kwargs.pop("schemes"), kwargs.pop("steps"), **kwargs)
