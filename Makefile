@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q --upgrade pip; \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e ".[dev,notebooks]"
+	$(PY) -m pip install -q -e ".[dev,notebooks,hf]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
