@@ -1,0 +1,209 @@
+"""Conventional Mamba-2 decode step over any state format (DESIGN.md §1–2, §4), and its launcher.
+
+One program owns a ``[BLOCK_P, BLOCK_N]`` tile of one (row of the batch, head): ``BLOCK_P``
+rows of headdim by the whole (padded) dstate, so row and block32 scales are computed inside the
+program; ``head`` scales need the whole head, so that granularity takes ``BLOCK_P ≥ headdim``.
+Grid ``(cdiv(headdim, BLOCK_P), nheads, batch)``.
+
+Per tile: load codes and scales, dequantize (``code · scale``), update in fp32
+(``a·S + (dt·x) ⊗ B``, the references' order), output from the unrounded state, re-quantize
+with :mod:`.codec` and store codes and scales in place. A row whose slot index is negative or
+``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
+for CPU tensors) outputs NaN and touches no slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import codec
+
+OUT_FP32 = 0
+OUT_BF16 = 1
+OUT_FP16 = 2
+
+
+@triton.jit
+def _softplus(v):
+    # log1p(e) as log(1 + e) · e / ((1 + e) − 1): a few ulp where log(1 + e) alone loses the
+    # digits of small e; identity above 20 like the references.
+    e = tl.exp(v)
+    one_plus = 1.0 + e
+    log1p = tl.where(one_plus == 1.0, e, tl.log(one_plus) * e / (one_plus - 1.0))
+    return tl.where(v <= 20.0, log1p, v)
+
+
+@triton.jit
+def _conventional_kernel(
+    state_ptr, scale_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr,
+    slot_ptr, out_ptr, seed_ptr, seed,
+    nslots, headdim, dstate, heads_per_group, pad_slot_id,
+    s_state_slot, s_state_head, s_state_row,
+    s_scale_slot, s_scale_head, s_scale_row,
+    s_x_batch, s_x_head, s_dt_batch, s_dt_head, s_B_batch, s_B_group, s_C_batch, s_C_group,
+    s_z_batch, s_z_head, s_out_batch, s_out_head,
+    DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    p_block = tl.program_id(0)
+    head = tl.program_id(1)
+    batch_row = tl.program_id(2)
+    nheads = tl.num_programs(1)
+
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + batch_row).to(tl.int64)
+    else:
+        slot = batch_row.to(tl.int64)
+    rows = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    # The slot as a [BLOCK_P] vector: the interpreter rejects masks built from scalar compares.
+    slot_rows = tl.zeros([BLOCK_P], tl.int64) + slot
+    is_padding = (slot_rows < 0) | (slot_rows == pad_slot_id)  # [BLOCK_P]
+    row_mask = rows < headdim
+    live_rows = row_mask & (slot_rows >= 0) & (slot_rows != pad_slot_id) & (slot_rows < nslots)
+    col_mask = cols < dstate
+    tile_mask = live_rows[:, None] & col_mask[None, :]  # [BLOCK_P, BLOCK_N]
+
+    dt = tl.load(dt_ptr + batch_row * s_dt_batch + head * s_dt_head).to(tl.float32)
+    if HAS_BIAS:
+        dt = dt + tl.load(dt_bias_ptr + head).to(tl.float32)
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
+
+    group = head // heads_per_group
+    x = tl.load(x_ptr + batch_row * s_x_batch + head * s_x_head + rows, mask=row_mask, other=0.0).to(tl.float32)
+    B = tl.load(B_ptr + batch_row * s_B_batch + group * s_B_group + cols, mask=col_mask, other=0.0).to(tl.float32)
+    C = tl.load(C_ptr + batch_row * s_C_batch + group * s_C_group + cols, mask=col_mask, other=0.0).to(tl.float32)
+
+    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
+    values = codec.decode(tl.load(state_tile, mask=tile_mask, other=0), DTYPE, HW)  # [BLOCK_P, BLOCK_N]
+    NB: tl.constexpr = BLOCK_N // 32
+    if GRAN != 0:
+        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
+    if GRAN == 1:
+        old_scale = tl.load(scale_base + rows * s_scale_row, mask=live_rows, other=0.0)
+        values = values * old_scale[:, None]
+    elif GRAN == 2:
+        old_scale = tl.load(scale_base + rows * 0, mask=live_rows, other=0.0)  # [BLOCK_P], one value
+        values = values * old_scale[:, None]
+    elif GRAN == 3:
+        block_ids = tl.arange(0, NB)
+        block_mask = live_rows[:, None] & (block_ids[None, :] < dstate // 32)
+        block_scales = scale_base + rows[:, None] * s_scale_row + block_ids[None, :]
+        old_scale = tl.load(block_scales, mask=block_mask, other=0.0)  # [BLOCK_P, NB]
+        old_tile = tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+        values = values * old_tile
+
+    new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
+
+    y = tl.sum(new_state * C[None, :], axis=1)  # [BLOCK_P]
+    if HAS_D:
+        y = y + tl.load(D_ptr + head).to(tl.float32) * x
+    if HAS_Z:
+        z = tl.load(z_ptr + batch_row * s_z_batch + head * s_z_head + rows, mask=row_mask, other=0.0).to(tl.float32)
+        y = y * z * (1.0 / (1.0 + tl.exp(-z)))
+    y = tl.where(live_rows, y, tl.where(is_padding, 0.0, float("nan")))
+    out_rows = out_ptr + batch_row * s_out_batch + head * s_out_head + rows
+    if OUT_DTYPE == 1:
+        tl.store(out_rows, codec.encode(y, 0.0, 1, False, HW), mask=row_mask)
+    else:
+        tl.store(out_rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    if STOCHASTIC:
+        if SEED_FROM_PTR:
+            seed = tl.load(seed_ptr)
+        counter = (((slot * nheads + head) * headdim + rows[:, None]) * dstate + cols[None, :]).to(tl.int32)
+        u = codec.uniform(seed, counter)
+    else:
+        u = 0.0
+    if DTYPE == 0:
+        codes = new_state
+    elif GRAN == 0:
+        codes = codec.encode(codec.saturate(new_state, QMAX), u, DTYPE, STOCHASTIC, HW)
+    else:
+        magnitude = tl.abs(new_state)
+        if GRAN == 1:
+            scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
+            tl.store(scale_base + rows * s_scale_row, scale, mask=live_rows)
+            scale_tile = scale[:, None]
+        elif GRAN == 2:
+            scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
+            tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale, mask=live_rows & (rows == 0))
+            scale_tile = scale
+        else:
+            scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX, GRAN)
+            tl.store(block_scales, scale, mask=block_mask)
+            scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+        scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
+        codes = codec.encode(codec.saturate(scaled, QMAX), u, DTYPE, STOCHASTIC, HW)
+    tl.store(state_tile, codes, mask=tile_mask)
+
+
+# Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
+# about the same bytes for other dstate); measured on an H200 (bench/README.md).
+_TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (64, 4)}
+
+
+def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
+                on_gpu: bool = True):
+    """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element."""
+    block_n = max(32, triton.next_power_of_2(dstate))
+    rows, warps = _TILE_ROWS[element_bytes]
+    if granularity == codec.GRAN_HEAD:
+        block_p = triton.next_power_of_2(headdim)
+        return block_p, block_n, (8 if block_p * block_n >= 8192 else 4)
+    block_p = min(max(1, rows * 128 // block_n), triton.next_power_of_2(headdim))
+    if not on_gpu:
+        # The interpreter pays per program, not per byte: one program per head.
+        return triton.next_power_of_2(headdim), block_n, warps
+    # A small batch still needs a grid that fills the GPU: split headdim finer.
+    while block_p > 4 and batch * nheads * triton.cdiv(headdim, block_p) < 1024:
+        block_p //= 2
+    return block_p, block_n, warps
+
+
+def launch(
+    state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
+    dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
+    dt_softplus: bool, pad_slot_id: int, heads_per_group: int, block_p=None, num_warps=None,
+):
+    """Launch the kernel on validated compact arguments.
+
+    ``state`` is the storage view (:func:`codec.storage_view`) ``(nslots, nheads, headdim,
+    dstate)`` with unit dstate stride; ``state_scale`` fp32 shaped for the granularity (or any
+    tensor when unscaled); ``x, z, out (batch, nheads, headdim)`` with unit inner stride;
+    ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
+    ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
+    """
+    batch, nheads, headdim = x.shape
+    nslots, _, _, dstate = state.shape
+    config_p, block_n, warps = tile_config(state.element_size(), headdim, dstate, granularity, batch, nheads,
+                                          state.device.type == "cuda")
+    block_p = block_p or config_p
+    num_warps = num_warps or warps
+    scale_strides = (0, 0, 0)
+    if granularity == codec.GRAN_HEAD:
+        scale_strides = (state_scale.stride(0), state_scale.stride(1), 0)
+    elif granularity != codec.GRAN_NONE:
+        scale_strides = (state_scale.stride(0), state_scale.stride(1), state_scale.stride(2))
+    out_code = OUT_BF16 if out.dtype == torch.bfloat16 else OUT_FP16 if out.dtype == torch.float16 else OUT_FP32
+    out_view = out.view(torch.int16) if out_code == OUT_BF16 else out
+    grid = (triton.cdiv(headdim, block_p), nheads, batch)
+    _conventional_kernel[grid](
+        state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out_view, seed_tensor, seed,
+        nslots, headdim, dstate, heads_per_group, pad_slot_id,
+        state.stride(0), state.stride(1), state.stride(2), *scale_strides,
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, out.stride(0), out.stride(1),
+        DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
+        HW=codec.hardware_casts(state.device), HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_BIAS=dt_bias is not None, HAS_SLOTS=slot_indices is not None, DT_SOFTPLUS=dt_softplus,
+        SEED_FROM_PTR=seed_tensor is not None, OUT_DTYPE=out_code, BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,158 @@
+"""Argument plumbing shared by the ops: format constants, the compact/tied-stride forms of the
+Mamba-2 decode arguments, and checks whose errors name the argument, the expected and the actual
+value (house rule). Checks read shapes, dtypes, devices and strides only: they never look at
+device data, so they cost no synchronisation (slot indices on CPU tensors excepted)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+
+from .. import _validate
+from ..formats import StateFormat, as_format
+from ..kernels import codec
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatConstants:
+    """The constexprs a kernel needs for one state format."""
+
+    fmt: StateFormat
+    dtype_code: int
+    granularity: int
+    stochastic: bool
+    qmax: float
+    emax: int
+
+
+@functools.lru_cache(maxsize=None)
+def format_constants(text: str) -> FormatConstants:
+    fmt = as_format(text, "state_format")
+    return FormatConstants(fmt, codec.dtype_code(fmt), codec.granularity_code(fmt), fmt.stochastic,
+                           codec.qmax(fmt), codec.emax(fmt))
+
+
+_FORMAT_OF_STATE_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def resolve_format(state_format, state: torch.Tensor) -> FormatConstants:
+    """``state_format`` or, when None, the unscaled format of the state's dtype."""
+    if state_format is None:
+        text = _FORMAT_OF_STATE_DTYPE.get(state.dtype)
+        if text is None:
+            raise ValueError(
+                f"state_format: needed for a state of dtype {state.dtype} (give e.g. 'int8:row' or "
+                f"'fp8_e4m3:row'), got None"
+            )
+        return format_constants(text)
+    return format_constants(str(state_format))
+
+
+def _untie(name: str, t: Optional[torch.Tensor], compact_dim: int, tied_dims: int) -> Optional[torch.Tensor]:
+    """mamba_ssm's expanded form (``tied_dims`` trailing dims of stride 0) → the compact tensor."""
+    if t is None or t.dim() == compact_dim:
+        return t
+    if t.dim() != compact_dim + tied_dims:
+        raise ValueError(f"{name}: expected {compact_dim} dimensions (or {compact_dim + tied_dims} with stride 0 "
+                         f"over the trailing ones), got shape {tuple(t.shape)}")
+    if any(t.stride(d) != 0 for d in range(compact_dim, t.dim()) if t.shape[d] > 1):
+        raise ValueError(f"{name}: the expanded form must have stride 0 over its trailing {tied_dims} dims "
+                         f"(one value per head), got strides {t.stride()}")
+    return t[(Ellipsis,) + (0,) * tied_dims]
+
+
+def compact_decode_args(x, dt, A, D, dt_bias):
+    """``(dt, A, D, dt_bias)`` in compact form: ``dt (batch, nheads)``, the rest ``(nheads,)``.
+
+    Accepts mamba_ssm's tied-stride expanded form: ``A (nheads, headdim, dstate)``,
+    ``dt (batch, nheads, headdim)``, ``D, dt_bias (nheads, headdim)``, all stride 0 beyond nheads.
+    """
+    _validate.tensor("x", x, ndim=3)
+    return _untie("dt", dt, 2, 1), _untie("A", A, 1, 2), _untie("D", D, 1, 1), _untie("dt_bias", dt_bias, 1, 1)
+
+
+def unit_inner_stride(name: str, t: Optional[torch.Tensor]) -> None:
+    if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {t.stride()}")
+
+
+def per_head_vector(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A ``(nheads,)`` parameter with unit stride (copied if strided: a few bytes)."""
+    return t if t is None or t.stride(0) == 1 else t.contiguous()
+
+
+def same_device(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the state's device), got {t.device}")
+
+
+def float_input(name: str, t: Optional[torch.Tensor]) -> None:
+    if t is not None and t.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{name}: expected one of {list(_FLOAT_INPUTS)}, got {t.dtype}")
+
+
+def check_state(state: torch.Tensor, state_scale: Optional[torch.Tensor], consts: FormatConstants,
+                name: str = "state", scale_name: str = "state_scale") -> None:
+    """State ``(nslots, nheads, headdim, dstate)`` in the format's storage dtype, and its scale."""
+    fmt = consts.fmt
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(state).__name__}")
+    if state.dim() != 4:
+        raise ValueError(f"{name}: expected shape (nslots, nheads, headdim, dstate), got {tuple(state.shape)}")
+    if state.dtype != fmt.storage_dtype:
+        raise TypeError(f"{name}: expected dtype {fmt.storage_dtype} for state_format '{fmt}', got {state.dtype}")
+    unit_inner_stride(name, state)
+    if fmt.granularity == "block32" and state.shape[-1] % 32:
+        raise ValueError(f"{name}: block32 needs dstate % 32 == 0, got dstate {state.shape[-1]}")
+    expected = fmt.scale_shape(state.shape)
+    if expected is None:
+        if state_scale is not None:
+            raise ValueError(f"{scale_name}: state_format '{fmt}' has no scale, so expected None, got a tensor")
+        return
+    if state_scale is None:
+        raise ValueError(f"{scale_name}: state_format '{fmt}' needs an fp32 scale of shape {tuple(expected)}, got None")
+    _validate.tensor(scale_name, state_scale)
+    if state_scale.dtype != torch.float32:
+        raise TypeError(f"{scale_name}: expected dtype torch.float32, got {state_scale.dtype}")
+    _validate.shape(scale_name, state_scale, expected, f"the scale shape of '{fmt}'")
+    if fmt.granularity == "block32":
+        unit_inner_stride(scale_name, state_scale)
+    if state_scale.device != state.device:
+        raise ValueError(f"{scale_name}: expected a tensor on {state.device}, got {state_scale.device}")
+
+
+def check_slot_indices(indices: Optional[torch.Tensor], batch: int, nslots: int, device: torch.device) -> None:
+    """``(batch,)`` int32/int64; negative = padding; ``≥ nslots`` is an error (checked on the host
+    for CPU tensors only; on a GPU such rows output NaN and write nothing, without a sync)."""
+    if indices is None:
+        if nslots != batch:
+            raise ValueError(f"state: without state_batch_indices expected {batch} slots (one per batch row), "
+                             f"got {nslots}")
+        return
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"state_batch_indices: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"state_batch_indices: expected int32 or int64, got {indices.dtype}")
+    if tuple(indices.shape) != (batch,):
+        raise ValueError(f"state_batch_indices: expected shape (batch,) = ({batch},), got {tuple(indices.shape)}")
+    if indices.device != device:
+        raise ValueError(f"state_batch_indices: expected a tensor on {device}, got {indices.device}")
+    if indices.device.type == "cpu" and batch and int(indices.max()) >= nslots:
+        raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative = padding), "
+                         f"got {int(indices.max())}")
+
+
+def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
+    _validate.tensor("out", out)
+    _validate.shape("out", out, x.shape, "x.shape")
+    float_input("out", out)
+    unit_inner_stride("out", out)
+    if out.device != x.device:
+        raise ValueError(f"out: expected a tensor on {x.device}, got {out.device}")

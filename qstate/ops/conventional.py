@@ -1,0 +1,143 @@
+"""``selective_state_update``: the conventional decode step over any state format, as the
+custom op ``qstate::selective_state_update`` (fake impl included, so it works under
+``torch.compile`` and CUDA-graph capture)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _validate
+from ..kernels import conventional as _kernel
+from . import _common
+
+_OP_NAME = "qstate::selective_state_update"
+
+
+def _launch(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
+            state_format, pad_slot_id, seed, seed_tensor):
+    consts = _common.format_constants(state_format)
+    _kernel.launch(
+        _kernel.codec.storage_view(state, consts.fmt), state_scale, x, dt, A, B, C, D, z, dt_bias,
+        state_batch_indices, out, seed, seed_tensor,
+        dtype_code=consts.dtype_code, granularity=consts.granularity, stochastic=consts.stochastic,
+        qmax=consts.qmax, emax=consts.emax, dt_softplus=dt_softplus, pad_slot_id=pad_slot_id,
+        heads_per_group=x.shape[1] // B.shape[1],
+    )
+
+
+@torch.library.custom_op(_OP_NAME, mutates_args=("state", "state_scale", "out"))
+def _selective_state_update_op(
+    state: torch.Tensor, state_scale: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
+    A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], dt_softplus: bool, state_batch_indices: Optional[torch.Tensor],
+    out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int, seed_tensor: Optional[torch.Tensor],
+) -> None:
+    _launch(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
+            state_format, pad_slot_id, seed, seed_tensor)
+
+
+@_selective_state_update_op.register_fake
+def _(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
+      state_format, pad_slot_id, seed, seed_tensor) -> None:
+    return None
+
+
+def _resolve_seed(seed, consts, device):
+    """(int seed, seed tensor or None). A tensor seed is read on the device, so a captured CUDA
+    graph can draw new noise each replay by refilling it; an int is baked into the graph."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64) or seed.device != device:
+            raise ValueError(f"seed: expected one int32/int64 element on {device}, got shape {tuple(seed.shape)} "
+                             f"{seed.dtype} on {seed.device}")
+        return 0, seed
+    if seed is None:
+        # Only stochastic formats use it; draw from torch's CPU generator (no device sync).
+        return (int(torch.randint(0, 2**31 - 1, ())) if consts.stochastic else 0), None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, a device tensor or None, got {type(seed).__name__}")
+    return seed & 0x7FFFFFFF, None
+
+
+def selective_state_update(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False, state_batch_indices: Optional[torch.Tensor] = None, *,
+    state_scale: Optional[torch.Tensor] = None, state_format: Optional[str] = None, pad_slot_id: int = -1,
+    out: Optional[torch.Tensor] = None, seed: Union[None, int, torch.Tensor] = None,
+) -> torch.Tensor:
+    """One Mamba-2 decode token, the state stored in any format and updated in place.
+
+    Same first eleven parameters and behaviour as mamba_ssm's function of this name:
+
+    ======================  ==============================================================
+    ``state``               ``(nslots, nheads, headdim, dstate)``, in ``state_format``'s storage
+                            dtype (fp32, bf16, fp16, float8_e4m3fn, float8_e5m2, int8);
+                            dstate stride 1
+    ``x``, ``z``, ``out``   ``(batch, nheads, headdim)``, fp32/bf16/fp16, unit inner stride
+    ``dt``                  ``(batch, nheads)`` or tied ``(batch, nheads, headdim)`` (stride 0)
+    ``A``                   ``(nheads,)`` or tied ``(nheads, headdim, dstate)`` (stride 0)
+    ``B``, ``C``            ``(batch, ngroups, dstate)``, unit inner stride
+    ``D``, ``dt_bias``      ``(nheads,)`` or tied ``(nheads, headdim)`` (stride 0)
+    ``state_batch_indices`` ``(batch,)`` int32/int64: the slot of each row; negative or
+                            ``pad_slot_id`` = padding (output zero, nothing written)
+    ``state_scale``         fp32 ``StateFormat.scale_shape(state.shape)`` for 8-bit formats:
+                            row ``(nslots, nheads, headdim)``, head ``(nslots, nheads)``,
+                            block32 ``(nslots, nheads, headdim, dstate // 32)``
+    ======================  ==============================================================
+
+    The kernel dequantizes the slot's state, computes ``dt = softplus(dt + dt_bias)`` (when
+    asked), ``S = exp(dt·A)·S + (dt·x) ⊗ B`` in fp32, ``y = S·C + D·x`` (times ``z·sigmoid(z)``)
+    from the unrounded ``S``, and stores ``S`` re-quantized (round-to-nearest-even, or with
+    ``+sr`` stochastic rounding from a Philox stream keyed by ``seed`` and the element's
+    position in the state) with fresh scales. ``state_format`` None means the unscaled format
+    of the state's dtype (mamba_ssm's behaviour). ``seed``: an int, a one-element device tensor
+    (read by the kernel; refill it between CUDA-graph replays), or None (drawn from torch's CPU
+    generator). An index ``≥ nslots`` raises on CPU; on a GPU (no sync) that row's output is NaN
+    and nothing is written. Returns ``out`` (allocated like ``x`` when None).
+    """
+    consts = _common.resolve_format(state_format, state)
+    _common.check_state(state, state_scale, consts)
+    dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
+    nslots, nheads, headdim, dstate = state.shape
+    batch = x.shape[0]
+    for name, t, ndim in (("dt", dt, 2), ("A", A, 1), ("B", B, 3), ("C", C, 3)):
+        _validate.tensor(name, t, ndim=ndim)
+    _validate.shape("x", x, (batch, nheads, headdim), "(batch, nheads, headdim)")
+    _validate.shape("dt", dt, (batch, nheads), "(batch, nheads)")
+    _validate.shape("A", A, (nheads,), "(nheads,)")
+    ngroups = B.shape[1]
+    if ngroups < 1 or nheads % ngroups:
+        raise ValueError(f"B: nheads ({nheads}) must be a multiple of ngroups, got ngroups {ngroups}")
+    _validate.shape("B", B, (batch, ngroups, dstate), "(batch, ngroups, dstate)")
+    _validate.shape("C", C, (batch, ngroups, dstate), "(batch, ngroups, dstate)")
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            _validate.tensor(name, t, ndim=1)
+            _validate.shape(name, t, (nheads,), "(nheads,)")
+    if z is not None:
+        _validate.tensor("z", z, ndim=3)
+        _validate.shape("z", z, x.shape, "x.shape")
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)):
+        _common.float_input(name, t)
+    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
+        _common.unit_inner_stride(name, t)
+    _common.same_device(state.device, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        _common.check_out(out, x)
+    seed_value, seed_tensor = _resolve_seed(seed, consts, state.device)
+    A, D, dt_bias = (_common.per_head_vector(n, t) for n, t in (("A", A), ("D", D), ("dt_bias", dt_bias)))
+    args = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices, out,
+            str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
+    if torch.compiler.is_compiling():
+        _selective_state_update_op(*args)
+    else:
+        # Eager calls skip the dispatcher round trip; the launch is the op's own implementation.
+        _launch(*args)
+    return out
