@@ -9,6 +9,7 @@ Public API (see README.md):
 
 from . import formats, profiles, reference
 from .formats import QuantizedState, StateFormat, dequantize, quantize
+from .ops import selective_state_update
 
 __version__ = "0.1.0"
 
