@@ -21,4 +21,5 @@ __all__ = [
     "profiles",
     "quantize",
     "reference",
+    "selective_state_update",
 ]
