@@ -128,7 +128,7 @@ def _replay_step_kernel(
     flush_rows_ptr, flush_counters_ptr,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_y_b, stride_y_h,
-    nheads, headdim, dstate, heads_per_group,
+    num_slots, nheads, headdim, dstate, heads_per_group,
     L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
@@ -147,8 +147,11 @@ def _replay_step_kernel(
         slot = tl.load(slot_ptr + b).to(tl.int32)
     else:
         slot = b
-    if slot < 0:
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], tl.float32).to(y_ptrs.dtype.element_ty), mask=mask_p)
+    if (slot < 0) | (slot >= num_slots):
+        # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync)
+        # outputs NaN. Neither writes any slot.
+        bad = tl.where(slot < 0, 0.0, float("nan"))
+        tl.store(y_ptrs, (tl.zeros([BLOCK_P], tl.float32) + bad).to(y_ptrs.dtype.element_ty), mask=mask_p)
     else:
         n = tl.load(cursor_ptr + slot)
         full = n == L - 1
@@ -199,7 +202,7 @@ def _replay_flush_kernel(
     ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
     cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
     stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b, stride_y_h,
-    batch, nheads, headdim, dstate, heads_per_group,
+    batch, num_slots, nheads, headdim, dstate, heads_per_group,
     L: tl.constexpr,
     CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
     CK_EMAX: tl.constexpr,
@@ -266,7 +269,7 @@ def _replay_flush_kernel(
         slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int32)
     else:
         slots = tl.where(in_batch, batch_rows, -1)
-    live = slots >= 0
+    live = (slots >= 0) & (slots < num_slots)
     n = tl.load(cursor_ptr + slots, mask=live, other=0)
     tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
     # The last program to finish empties the flush list: every program has read `count` by then.
@@ -311,7 +314,7 @@ def launch_replay_decode(
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z_arg.stride(0), z_arg.stride(1), out.stride(0), out.stride(1),
-        nheads, headdim, dstate, nheads // ngroups,
+        checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
         HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), NUM_P_TILES=num_p_tiles,
         BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4, **common,
@@ -326,7 +329,7 @@ def launch_replay_decode(
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
         x.stride(0), x.stride(1), C.stride(0), C.stride(1), z_arg.stride(0), z_arg.stride(1),
         out.stride(0), out.stride(1),
-        batch, nheads, headdim, dstate, nheads // ngroups,
+        batch, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         L=L, CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
         CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
         CK_EMAX=codec.emax(checkpoint_format),

@@ -1,0 +1,165 @@
+"""Replay decode as a ``torch.library`` custom op (``qstate::replay_decode``) and its public
+function :func:`replay_decode`.
+
+The op mutates the cache's tensors and ``out``; it has a fake (meta) implementation, so it
+traces under ``torch.compile`` and records into CUDA graphs. The flush decision, the flush list
+and the cursors live on the device: no call reads anything back to the host except the
+slot-index checks, which run on CPU tensors only (on a GPU an index past the cache outputs NaN
+and writes nothing; repeats are the caller's contract).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _validate
+from ..cache import ReplayCache
+from ..formats import StateFormat
+
+__all__ = ["replay_decode"]
+
+_MUTATED = ("out", "checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
+            "cursor", "generation", "flush_rows", "flush_counters")
+
+
+@torch.library.custom_op("qstate::replay_decode", mutates_args=_MUTATED)
+def _replay_decode_op(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], dt_softplus: bool,
+    slot_indices: Optional[torch.Tensor], out: torch.Tensor,
+    checkpoint: torch.Tensor, checkpoint_scale: Optional[torch.Tensor], read: Optional[torch.Tensor],
+    read_scale: Optional[torch.Tensor], ring_x: torch.Tensor, ring_dt: torch.Tensor, ring_B: torch.Tensor,
+    cursor: torch.Tensor, generation: torch.Tensor, flush_rows: torch.Tensor, flush_counters: torch.Tensor,
+    checkpoint_format: str, read_format: Optional[str], seed: int,
+) -> None:
+    from ..kernels.replay import launch_replay_decode
+
+    launch_replay_decode(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
+        checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
+        flush_rows, flush_counters,
+        checkpoint_format=StateFormat.parse(checkpoint_format),
+        read_format=None if read_format is None else StateFormat.parse(read_format), seed=seed,
+    )
+
+
+@_replay_decode_op.register_fake
+def _replay_decode_fake(*args, **kwargs) -> None:
+    return None
+
+
+def _inner_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride in the last dimension, got strides {t.stride()}")
+
+
+def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache) -> None:
+    if not isinstance(slot_indices, torch.Tensor):
+        raise TypeError(f"slot_indices: expected a torch.Tensor or None, got {type(slot_indices).__name__}")
+    if slot_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_indices: expected dtype torch.int32 or torch.int64, got {slot_indices.dtype}")
+    _validate.shape("slot_indices", slot_indices, (batch,), "(batch,)")
+    if slot_indices.device != cache.device:
+        raise ValueError(f"slot_indices: expected device {cache.device} (the cache's), got {slot_indices.device}")
+    if slot_indices.device.type != "cpu" or torch.compiler.is_compiling():
+        return  # values are checked on CPU tensors only: reading a GPU tensor would sync the host
+    live = slot_indices[slot_indices >= 0]
+    if live.numel():
+        top = int(live.max())
+        if top >= cache.num_slots:
+            raise ValueError(f"slot_indices: expected values < num_slots = {cache.num_slots} "
+                             f"(negative = padding), got {top}")
+        if torch.unique(live).numel() != live.numel():
+            raise ValueError(f"slot_indices: expected no slot to repeat within one call, got {slot_indices.tolist()}")
+
+
+def replay_decode(
+    cache: ReplayCache, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False, slot_indices: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One decode token per batch row with replay state (DESIGN.md §3, §3.1).
+
+    Shapes (compact Mamba-2, DESIGN.md §1):
+
+    ==================  ==============================================
+    ``x``, ``z``        ``(batch, nheads, headdim)``, ``cache.input_dtype``
+                        for ``x`` (it joins the ring), any float for ``z``
+    ``dt``              ``(batch, nheads)``, before ``dt_bias`` / softplus
+    ``A``, ``D``,       ``(nheads,)``
+    ``dt_bias``
+    ``B``               ``(batch, ngroups, dstate)``, ``cache.input_dtype``
+    ``C``               ``(batch, ngroups, dstate)``
+    ``slot_indices``    ``(batch,)`` int32/int64: the cache slot of each row
+                        (None: row i uses slot i); negative = padding
+    ``out``             ``(batch, nheads, headdim)``, dtype of ``x``
+    ==================  ==============================================
+
+    A row reads its slot's read copy (or the checkpoint without one) and ring, and appends the
+    token to the ring. The row whose ring becomes full (``cache.ring_len`` tokens) flushes: the
+    ring is folded into the checkpoint in fp32 starting from the stored checkpoint, and the new
+    checkpoint and its read copy are written. Padding rows output zeros and write nothing.
+    Slots may not repeat within a call. Returns ``y (batch, nheads, headdim)`` (``out`` if given).
+    """
+    if not isinstance(cache, ReplayCache):
+        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    _validate.tensor("x", x, ndim=3)
+    batch = x.shape[0]
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    _validate.shape("x", x, (batch, H, P), "(batch, nheads, headdim) of the cache")
+    _validate.tensor("dt", dt, ndim=2)
+    _validate.shape("dt", dt, (batch, H), "(batch, nheads)")
+    for name, t in (("B", B), ("C", C)):
+        _validate.tensor(name, t, ndim=3)
+        _validate.shape(name, t, (batch, G, N), "(batch, ngroups, dstate) of the cache")
+    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None or name == "A":
+            _validate.tensor(name, t, ndim=1)
+            _validate.shape(name, t, (H,), "(nheads,)")
+    if z is not None:
+        _validate.tensor("z", z, ndim=3)
+        _validate.shape("z", z, (batch, H, P), "(batch, nheads, headdim)")
+    for name, t in (("x", x), ("B", B)):
+        if t.dtype != cache.input_dtype:
+            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
+                            f"got {t.dtype}")
+    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)]
+    for name, t in named:
+        if t is not None and t.device != cache.device:
+            raise ValueError(f"{name}: expected device {cache.device} (the cache's), got {t.device}")
+    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
+        if t is not None:
+            _inner_contiguous(name, t)
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+    if slot_indices is None:
+        if batch > cache.num_slots:
+            raise ValueError(f"x: without slot_indices row i uses slot i, so batch must be <= num_slots = "
+                             f"{cache.num_slots}, got {batch}")
+    else:
+        _check_slot_indices(slot_indices, batch, cache)
+    if out is None:
+        out = torch.empty((batch, H, P), dtype=x.dtype, device=x.device)
+    else:
+        _validate.tensor("out", out, ndim=3)
+        _validate.shape("out", out, (batch, H, P), "(batch, nheads, headdim)")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
+        if out.device != cache.device:
+            raise ValueError(f"out: expected device {cache.device} (the cache's), got {out.device}")
+        _inner_contiguous("out", out)
+    if batch == 0:
+        return out
+    # Contiguous (nheads,) vectors and a contiguous dt row: the kernels index them directly.
+    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
+    if dt.stride(1) != 1:
+        dt = dt.contiguous()
+    _replay_decode_op(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
+        cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
+        cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters,
+        str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format), cache.seed,
+    )
+    return out
