@@ -24,7 +24,8 @@ import torch
 
 from . import _validate
 
-__all__ = ["DecayDistribution", "Profile", "DecodeInputs", "get", "names", "from_hf_config"]
+__all__ = ["DecayDistribution", "Profile", "DecodeInputs", "get", "names", "from_hf_config", "calibrate",
+           "CalibratedProfile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,3 +249,7 @@ def from_hf_config(config: Union[str, os.PathLike, dict]) -> Profile:
     )
     return Profile(str(name), int(fields["nheads"]), int(fields["headdim"]), int(fields["dstate"]),
                    int(fields["ngroups"]), int(layers), decay)
+
+
+# Calibration builds on Profile, so it is defined in its own module and re-exported here.
+from .calibration import CalibratedProfile, calibrate  # noqa: E402

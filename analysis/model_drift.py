@@ -1,0 +1,189 @@
+"""Model-level drift: what a storage scheme does to a real model's next-token distributions.
+
+:func:`model_drift` decodes a transformers Mamba-2 / Nemotron-H model twice or more over the
+same tokens (teacher forcing): once unpatched (transformers' own fp32-state decode, the
+reference) choosing the tokens greedily, then once per scheme with the model patched by
+:func:`qstate.integrations.transformers.patch` and fed the reference's tokens. Prefill is the
+same in every run, so the differences come from the decode steps alone. Per sequence and
+decode step it records
+
+* ``kl``: ``KL(p_ref ‖ p_scheme)`` of the next-token distributions, in nats (fp64 softmax);
+* ``top1``: whether the two argmax tokens agree;
+* ``max_abs_logit``: ``max |logit_scheme − logit_ref|`` over the vocabulary.
+
+A scheme whose logits stop being finite is reported as failed at the first such step (1-based
+decode step), never as a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .schemes import Scheme, parse_schemes
+
+__all__ = ["SchemeDrift", "ModelDrift", "model_drift"]
+
+SUMMARY_FIELDS = ("scheme", "bytes_per_step", "mean_kl", "max_kl", "final_kl", "top1_agreement",
+                  "max_abs_logit", "failed_at")
+
+
+@dataclasses.dataclass
+class SchemeDrift:
+    """Per-token metrics of one scheme, each ``(batch, new_tokens)``; ``failed_at`` is the first
+    decode step (1-based) with a non-finite logit, or None."""
+
+    scheme: Scheme
+    kl: torch.Tensor
+    top1: torch.Tensor
+    max_abs_logit: torch.Tensor
+    failed_at: Optional[int]
+
+    @classmethod
+    def compare(cls, scheme: Scheme, reference: torch.Tensor, logits: torch.Tensor) -> "SchemeDrift":
+        """Metrics of ``logits`` against ``reference``, both ``(batch, new_tokens, vocab)``."""
+        reference, logits = reference.cpu(), logits.cpu()
+        finite = torch.isfinite(logits).all(dim=-1).all(dim=0)  # [new_tokens]
+        failed_at = None if bool(finite.all()) else int((~finite).nonzero()[0, 0]) + 1
+        log_ref = torch.log_softmax(reference.double(), dim=-1)
+        log_new = torch.log_softmax(logits.double(), dim=-1)
+        kl = (log_ref.exp() * (log_ref - log_new)).sum(-1).clamp(min=0.0)
+        top1 = logits.argmax(-1) == reference.argmax(-1)
+        max_abs = (logits.double() - reference.double()).abs().amax(-1)
+        if failed_at is not None:
+            bad = torch.arange(kl.shape[1]) >= failed_at - 1
+            kl[:, bad] = math.nan
+            max_abs[:, bad] = math.nan
+            top1[:, bad] = False
+        return cls(scheme, kl, top1, max_abs, failed_at)
+
+    def summary(self, profile=None) -> dict:
+        """One row: means and maxima over sequences and steps (``final_kl``: mean over sequences
+        of the last step); ``bytes_per_step`` per state element when ``profile`` is given."""
+        ok = self.failed_at is None
+
+        def number(t: torch.Tensor) -> Optional[float]:
+            return float(t) if ok else None
+
+        return {
+            "scheme": str(self.scheme),
+            "bytes_per_step": None if profile is None else self.scheme.bytes_per_step(profile),
+            "mean_kl": number(self.kl.mean()),
+            "max_kl": number(self.kl.max()),
+            "final_kl": number(self.kl[:, -1].mean()),
+            "top1_agreement": number(self.top1.double().mean()),
+            "max_abs_logit": number(self.max_abs_logit.max()),
+            "failed_at": self.failed_at,
+        }
+
+
+@dataclasses.dataclass
+class ModelDrift:
+    """The result of :func:`model_drift`: the teacher-forced ``tokens (batch, new_tokens)`` and
+    one :class:`SchemeDrift` per scheme, in the order given; ``profile`` is the model's layer shape."""
+
+    tokens: torch.Tensor
+    schemes: list[SchemeDrift]
+    profile: object = None
+
+    def __getitem__(self, scheme: Union[str, Scheme]) -> SchemeDrift:
+        key = str(Scheme.parse(scheme))
+        for entry in self.schemes:
+            if str(entry.scheme) == key:
+                return entry
+        raise KeyError(f"scheme: {key!r} is not in this result; it has {[str(s.scheme) for s in self.schemes]}")
+
+    def summary(self) -> list[dict]:
+        """One row per scheme with the fields of ``SUMMARY_FIELDS``."""
+        return [entry.summary(self.profile) for entry in self.schemes]
+
+    def to_markdown(self) -> str:
+        rows = self.summary()
+
+        def cell(v) -> str:
+            if v is None:
+                return "–"
+            if isinstance(v, float):
+                return f"{v:.3g}"
+            return str(v)
+
+        lines = ["| " + " | ".join(SUMMARY_FIELDS) + " |", "|" + "---|" * len(SUMMARY_FIELDS)]
+        lines += ["| " + " | ".join(cell(row[f]) for f in SUMMARY_FIELDS) + " |" for row in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+    def to_json(self, path: Union[str, os.PathLike]) -> None:
+        """Summary rows and the per-step metrics (mean over sequences) of every scheme."""
+        payload = {
+            "new_tokens": int(self.tokens.shape[1]),
+            "batch": int(self.tokens.shape[0]),
+            "summary": self.summary(),
+            "per_step": {
+                str(e.scheme): {
+                    "kl": _json_floats(e.kl.mean(0)),
+                    "top1_agreement": _json_floats(e.top1.double().mean(0)),
+                    "max_abs_logit": _json_floats(e.max_abs_logit.amax(0)),
+                }
+                for e in self.schemes
+            },
+        }
+        with open(path, "w") as fh:
+            json.dump(payload, fh, indent=1)
+
+    def plot(self, path: Union[str, os.PathLike]) -> None:
+        """KL per decode step (mean over sequences), one line per scheme, log scale."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = torch.arange(1, self.tokens.shape[1] + 1)
+        for entry in self.schemes:
+            ax.plot(steps, entry.kl.mean(0).clamp(min=1e-12), label=str(entry.scheme))
+        ax.set_yscale("log")
+        ax.set_xlabel("decode step")
+        ax.set_ylabel("KL(reference ‖ scheme), nats")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _json_floats(t: torch.Tensor) -> list:
+    return [None if not math.isfinite(v) else v for v in t.double().tolist()]
+
+
+def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequence], new_tokens: int = 64, *,
+                seed: int = 0) -> ModelDrift:
+    """Teacher-forced drift of ``model`` under each scheme against the unpatched model.
+
+    ``model``: a transformers ``Mamba2ForCausalLM`` / ``NemotronHForCausalLM`` (not patched);
+    ``input_ids (batch, prompt_len)`` on the model's device; ``schemes``: scheme strings or
+    :class:`Scheme` objects (or one comma-separated string); ``new_tokens`` decode steps, fed
+    the reference's greedy tokens; ``seed`` keys stochastic rounding. Returns a :class:`ModelDrift`.
+    """
+    from qstate import profiles
+    from qstate.integrations.transformers import decode_logits, find_mixers, patch
+
+    parsed = parse_schemes(schemes)
+    mixers = find_mixers(model)
+    if getattr(model, "_qstate_patch", None) is not None:
+        raise ValueError("model: it is patched by qstate; model_drift needs the unpatched model as its reference")
+    first = mixers[0][1]
+    profile = profiles.Profile(type(model).__name__, first.num_heads, first.head_dim, first.ssm_state_size,
+                               first.n_groups, len(mixers))
+    tokens, reference = decode_logits(model, input_ids, new_tokens)
+    results = []
+    for scheme in parsed:
+        with patch(model, scheme, seed=seed):
+            _, logits = decode_logits(model, input_ids, new_tokens, tokens=tokens)
+        results.append(SchemeDrift.compare(scheme, reference, logits))
+    return ModelDrift(tokens.cpu(), results, profile)

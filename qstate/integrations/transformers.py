@@ -1,0 +1,261 @@
+"""transformers drop-in: decode a Mamba-2 / Nemotron-H model through qstate.
+
+::
+
+    from qstate.integrations.transformers import patch
+
+    with patch(model, "replay/fp32/fp8_e4m3:row/16"):
+        out = model.generate(input_ids, max_new_tokens=64)   # unchanged call
+
+How it hooks in. transformers 5.x computes the one-token decode of every Mamba-2 mixer with a
+module-level function, ``mamba2_selective_state_update`` of the mixer's ``modeling_*.py``
+(looked up at call time, so it can be swapped), and the prompt with a chunked scan whose final
+state it stores in its cache. :func:`patch`
+
+1. swaps that module-level function for a dispatcher (once per modeling module, reference
+   counted over patched models); outside a patched mixer the dispatcher calls the original;
+2. wraps the ``forward`` of each patched mixer (an instance attribute) so that, while it runs,
+   the dispatcher sends the decode step to that mixer's route (:mod:`.decode_routes`):
+   conventional schemes to :func:`qstate.selective_state_update`, replay schemes to
+   :func:`qstate.replay_decode` over a :class:`qstate.ReplayCache` that is ``reset`` with the
+   prefill's final state.
+
+Prefill stays as transformers does it. Restoring removes both, exactly. Only the mixer classes
+whose decode call was read and checked are recognised: :data:`SUPPORTED_MIXERS`.
+
+Needs transformers >= 5.0 (the ``hf`` extra) only to build the model; this module imports no
+third-party library.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+from typing import Callable, Optional, Union
+
+import torch
+
+from .decode_routes import ConventionalRoute, LayerRoute, ReplayRoute
+
+__all__ = ["SUPPORTED_MIXERS", "Patch", "patch", "attach_routes", "find_mixers", "decode_logits"]
+
+SUPPORTED_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
+STEP_FUNCTION = "mamba2_selective_state_update"
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # by transformers version and model
+
+_ACTIVE_ROUTE: contextvars.ContextVar = contextvars.ContextVar("qstate_active_route", default=None)
+_INSTALLED: dict[str, list] = {}  # modeling module name -> [original function, number of patches using it]
+
+
+def find_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, mixer)`` for every supported Mamba-2 mixer of ``model``, in module order."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in SUPPORTED_MIXERS and hasattr(sys.modules.get(type(module).__module__), STEP_FUNCTION):
+            found.append((name, module))
+    if not found:
+        raise ValueError(
+            f"model: expected a transformers Mamba2ForCausalLM or NemotronHForCausalLM with Mamba-2 mixers "
+            f"({', '.join(SUPPORTED_MIXERS)}), found none in {type(model).__name__}")
+    return found
+
+
+def _dispatcher(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        route = _ACTIVE_ROUTE.get()
+        if route is None:
+            return original(*args, **kwargs)
+        return route(original, *args, **kwargs)
+
+    dispatch.__qstate_original__ = original
+    return dispatch
+
+
+def _install(module_name: str) -> None:
+    entry = _INSTALLED.get(module_name)
+    if entry is not None:
+        entry[1] += 1
+        return
+    module = sys.modules[module_name]
+    original = getattr(module, STEP_FUNCTION)
+    setattr(module, STEP_FUNCTION, _dispatcher(original))
+    _INSTALLED[module_name] = [original, 1]
+
+
+def _uninstall(module_name: str) -> None:
+    entry = _INSTALLED[module_name]
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    del _INSTALLED[module_name]
+    module = sys.modules[module_name]
+    if getattr(getattr(module, STEP_FUNCTION), "__qstate_original__", None) is entry[0]:
+        setattr(module, STEP_FUNCTION, entry[0])
+
+
+def _wrap_forward(mixer: torch.nn.Module, route) -> None:
+    inner = mixer.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        token = _ACTIVE_ROUTE.set(route)
+        route.begin_forward()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            route.end_forward()
+            _ACTIVE_ROUTE.reset(token)
+
+    forward.__qstate_inner__ = inner
+    mixer.forward = forward
+
+
+def _unwrap_forward(mixer: torch.nn.Module, had_own_forward: bool) -> None:
+    inner = mixer.__dict__["forward"].__qstate_inner__
+    if had_own_forward:
+        mixer.forward = inner
+    else:
+        del mixer.forward
+
+
+class Patch:
+    """A patched model: ``routes`` maps each mixer's module name to its route. Use as a context
+    manager, or call :meth:`restore`. Build with :func:`patch` or :func:`attach_routes`."""
+
+    def __init__(self, model: torch.nn.Module, routes: dict, mixers: list, scheme=None):
+        self.model = model
+        self.scheme = scheme
+        self.routes = routes
+        self._mixers = mixers  # [(mixer, had its own forward attribute)]
+        self._modules = sorted({type(m).__module__ for m, _ in mixers})
+        self.active = False
+
+    def _apply(self) -> None:
+        if getattr(self.model, "_qstate_patch", None) is not None:
+            raise ValueError("model: already patched by qstate; restore the first patch before patching again")
+        done_mixers, done_modules = [], []
+        try:
+            for module_name in self._modules:
+                _install(module_name)
+                done_modules.append(module_name)
+            for (mixer, had_own), route in zip(self._mixers, self.routes.values()):
+                _wrap_forward(mixer, route)
+                done_mixers.append((mixer, had_own))
+            self.model._qstate_patch = self
+        except BaseException:
+            for mixer, had_own in reversed(done_mixers):
+                _unwrap_forward(mixer, had_own)
+            for module_name in reversed(done_modules):
+                _uninstall(module_name)
+            raise
+        self.active = True
+
+    def restore(self) -> None:
+        """Put the model back exactly as it was (idempotent)."""
+        if not self.active:
+            return
+        for mixer, had_own in reversed(self._mixers):
+            _unwrap_forward(mixer, had_own)
+        for module_name in reversed(self._modules):
+            _uninstall(module_name)
+        del self.model._qstate_patch
+        self.active = False
+
+    @property
+    def steps(self) -> dict:
+        """Decode steps each route has run since patching (0 means qstate never ran there)."""
+        return {name: route.steps for name, route in self.routes.items()}
+
+    @property
+    def caches(self) -> dict:
+        """Replay schemes: the :class:`qstate.ReplayCache` of each layer (None before its first step)."""
+        return {name: getattr(route, "cache", None) for name, route in self.routes.items()}
+
+    def __enter__(self) -> "Patch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def attach_routes(model: torch.nn.Module, make_route: Callable[[str, torch.nn.Module], object],
+                  scheme=None) -> Patch:
+    """Patch ``model`` with ``make_route(name, mixer)`` per mixer (a :class:`LayerRoute`-like
+    callable). All routes are built before anything is changed; on failure nothing is."""
+    mixers = find_mixers(model)
+    routes = {name: make_route(name, mixer) for name, mixer in mixers}
+    result = Patch(model, routes, [(m, "forward" in m.__dict__) for _, m in mixers], scheme)
+    result._apply()
+    return result
+
+
+def _route_factory(scheme, seed: int) -> Callable[[str, torch.nn.Module], LayerRoute]:
+    if scheme.is_replay:
+        return lambda name, mixer: ReplayRoute(name, scheme.checkpoint, scheme.read, scheme.ring_len, seed=seed)
+    return lambda name, mixer: ConventionalRoute(name, scheme.fmt, seed=seed)
+
+
+def patch(model: torch.nn.Module, scheme, *, seed: int = 0) -> Patch:
+    """Route the one-token decode step of every Mamba-2 mixer of ``model`` through qstate.
+
+    ``model``: a transformers ``Mamba2ForCausalLM`` or ``NemotronHForCausalLM`` (or any module
+    holding :data:`SUPPORTED_MIXERS`). ``scheme``: a :class:`qstate.analysis.schemes.Scheme` or its
+    string form (``"fp32"``, ``"fp8_e4m3:row"``, ``"replay/fp32/16"``,
+    ``"replay/fp32/fp8_e4m3:row/16"``). ``seed`` keys stochastic rounding.
+
+    Returns a :class:`Patch`, also a context manager that restores the model on exit.
+    ``model.generate()`` and ``model(...)`` work unchanged; prefill runs as before and its final
+    state seeds qstate's storage. Raises ``ValueError`` for a model without Mamba-2 mixers, a
+    scheme that does not parse, or a model that is already patched; the model is then unchanged.
+    """
+    from ..analysis.schemes import Scheme
+
+    parsed = Scheme.parse(scheme)
+    return attach_routes(model, _route_factory(parsed, seed), scheme=parsed)
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    for name in CACHE_ARGUMENTS:
+        if name in params:
+            return name
+    raise ValueError(f"model: {type(model).__name__}.forward takes none of the cache arguments {CACHE_ARGUMENTS}")
+
+
+@torch.no_grad()
+def decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *,
+                  tokens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``input_ids (batch, prompt)``, then feed ``new_tokens`` tokens one at a time.
+
+    The fed tokens are ``tokens (batch, new_tokens)`` (teacher forcing) or, when None, greedy
+    (the first is the argmax of the prefill's last logits). Returns ``(tokens, logits)``:
+    the fed tokens and ``logits (batch, new_tokens, vocab)``, fp32, where ``logits[:, k]`` is the
+    next-token distribution after feeding ``tokens[:, k]`` (decode step k + 1).
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        got = (f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
+        raise ValueError(f"input_ids: expected an integer tensor (batch, prompt_len), got {got}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens: expected an int >= 1, got {new_tokens!r}")
+    if tokens is not None and tuple(tokens.shape) != (input_ids.shape[0], new_tokens):
+        raise ValueError(f"tokens: expected shape (batch, new_tokens) = {(input_ids.shape[0], new_tokens)}, "
+                         f"got {tuple(tokens.shape)}")
+    key = _cache_argument(model)
+    out = model(input_ids=input_ids, use_cache=True)
+    cache = getattr(out, key)
+    next_logits = out.logits[:, -1]
+    fed, logits = [], []
+    for k in range(new_tokens):
+        token = next_logits.argmax(-1) if tokens is None else tokens[:, k].to(input_ids.device)
+        fed.append(token)
+        out = model(input_ids=token[:, None], use_cache=True, **{key: cache})
+        cache = getattr(out, key)
+        next_logits = out.logits[:, -1]
+        logits.append(next_logits.float())
+    return torch.stack(fed, dim=1), torch.stack(logits, dim=1)
