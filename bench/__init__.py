@@ -1,0 +1,1 @@
+"""GPU benchmarks and checks (bench/README.md)."""

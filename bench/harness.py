@@ -1,0 +1,192 @@
+"""Shared GPU benchmark harness: CUDA-graph timing with a cold L2, a copy ceiling measured in the
+same run, and JSON / markdown writers.
+
+A *case* is built by a function registered with :func:`register` under a group name (one module
+per op: ``bench/cases_conventional.py``, ``bench/cases_replay.py``, ...). A builder takes the
+device and returns ``Case``s; each case's ``make_buffers()`` returns one independent set of
+arguments and ``run(buffers)`` launches the op once on it. The harness allocates enough buffer
+sets to exceed ``COLD_BYTES`` (so each call finds its data outside the 50 MB L2), captures one
+CUDA graph that calls ``run`` once per set, replays it, and reports the median time per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from typing import Any, Callable, Optional
+
+import torch
+
+COLD_BYTES = 128 * 2**20  # more than twice the H200's 50 MB L2
+MAX_SETS = 64
+
+
+@dataclasses.dataclass
+class Case:
+    """One timed configuration. ``bytes_moved`` counts bytes read plus written per call."""
+
+    group: str
+    name: str
+    params: dict
+    bytes_moved: int
+    make_buffers: Callable[[], Any]
+    run: Callable[[Any], None]
+    set_bytes: int = 0  # device bytes of one buffer set (defaults to bytes_moved)
+
+
+_BUILDERS: dict[str, list[Callable[[torch.device], list[Case]]]] = {}
+
+
+def register(group: str):
+    """Decorator: ``@register("conventional") def cases(device) -> list[Case]``."""
+    def wrap(fn):
+        _BUILDERS.setdefault(group, []).append(fn)
+        return fn
+    return wrap
+
+
+def cases(device: torch.device, groups: Optional[list[str]] = None) -> list[Case]:
+    out = []
+    for group, builders in _BUILDERS.items():
+        if groups is None or group in groups:
+            for build in builders:
+                out.extend(build(device))
+    return out
+
+
+def _graph_time_us(calls: Callable[[], None], ncalls: int, replays: int = 20) -> float:
+    """Median µs per call of a CUDA graph made of ``ncalls`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()  # warm-up: compiles kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / ncalls)
+    del graph
+    return statistics.median(times)
+
+
+def time_case(case: Case, replays: int = 20) -> float:
+    """Median µs per call under CUDA-graph replay, each call on a buffer set not in L2."""
+    set_bytes = case.set_bytes or case.bytes_moved
+    nsets = max(2, min(MAX_SETS, -(-COLD_BYTES // max(set_bytes, 1))))
+    sets = [case.make_buffers() for _ in range(nsets)]
+
+    def calls():
+        for buffers in sets:
+            case.run(buffers)
+
+    try:
+        return _graph_time_us(calls, nsets, replays)
+    finally:
+        del sets
+        torch.cuda.empty_cache()
+
+
+def copy_ceiling_gbs(device: torch.device, nbytes: int = 2**30) -> float:
+    """Bandwidth of a device-to-device copy (bytes read + written per second), in GB/s."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = _graph_time_us(lambda: dst.copy_(src), 1)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def eager_us(fn: Callable[[], None], iters: int = 200) -> float:
+    """Wall µs per call of ``fn`` called back to back without graphs (host-bound at batch 1)."""
+    import time
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    import triton
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        commit=commit, torch=torch.__version__, triton=triton.__version__,
+    )
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=1)
+
+
+def markdown_table(payload: dict) -> str:
+    """The results table of one run (``payload`` as written by ``bench/run_gpu.py``)."""
+    env = payload["environment"]
+    lines = [
+        f"Run {env['date']} on {env['gpu']}, commit {env['commit']} (torch {env['torch']}, triton {env['triton']}),",
+        f"command `{payload['command']}`. Copy ceiling measured in the same run: "
+        f"{payload['copy_ceiling_gbs']:.0f} GB/s (read + write).",
+        "",
+        "| op | model | batch | format | inputs | µs | MB moved | GB/s | % of copy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["results"]:
+        p = r["params"]
+        lines.append(
+            f"| {r['group']} | {p.get('model', '')} | {p.get('batch', '')} | {p.get('format', '')} | "
+            f"{p.get('inputs', '')} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f} |"
+        )
+    for note in payload.get("notes", []):
+        lines.append("")
+        lines.append(note)
+    return "\n".join(lines)
+
+
+def update_readme(readme: str, table: str, key: str) -> None:
+    """Replace the text between ``readme``'s results markers for ``key`` with ``table``
+    (appended with its markers when absent), so each run's table keeps its own place."""
+    begin, end = f"<!-- results:{key}:begin -->", f"<!-- results:{key}:end -->"
+    with open(readme) as fh:
+        text = fh.read()
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{table}\n{end}{tail}"
+    else:
+        text = f"{text.rstrip()}\n\n{begin}\n{table}\n{end}\n"
+    with open(readme, "w") as fh:
+        fh.write(text)
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="Write the table of a run's JSON into bench/README.md")
+    parser.add_argument("json_path")
+    parser.add_argument("--readme", default=os.path.join(os.path.dirname(__file__), "README.md"))
+    parser.add_argument("--key", default=None, help="marker key (default: the JSON's 'key')")
+    args = parser.parse_args()
+    with open(args.json_path) as fh:
+        payload = json.load(fh)
+    update_readme(args.readme, markdown_table(payload), args.key or payload["key"])

@@ -1,0 +1,107 @@
+"""GPU entry point: correctness first (codec and kernels against the references, on the GPU),
+then timing under CUDA-graph replay with a cold L2. See bench/README.md for how to run it.
+
+    python3 -m bench.run_gpu --out DIR [--groups conventional,replay] [--sweep] [--quick]
+
+Writes ``DIR/<group>.json`` (and copies it to bench/results/) and prints the markdown table;
+``python3 -m bench.harness DIR/<group>.json`` puts that table into bench/README.md.
+Case modules register themselves on import: add yours to ``CASE_MODULES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import sys
+import time
+
+import torch
+
+from . import harness
+
+CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay")
+# Only functions named check_codec / check_kernel / sweep_cases / eager_overhead and cases
+# registered with harness.register are used from each module.
+
+
+def _load_case_modules():
+    loaded = []
+    for name in CASE_MODULES:
+        try:
+            loaded.append(importlib.import_module(name))
+        except Exception as err:  # one broken case module must not stop the others' run
+            print(f"run_gpu: skipping {name}: {type(err).__name__}: {err}", flush=True)
+    return loaded
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--groups", default=None, help="comma-separated case groups (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="also time tile sweeps where a module offers one")
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("run_gpu: no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    command = "python3 -m bench.run_gpu " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    modules = _load_case_modules()
+    groups = args.groups.split(",") if args.groups else None
+    env = harness.environment()
+    print(env, flush=True)
+
+    failures, checks = [], {}
+    if not args.skip_checks:
+        for module in modules:
+            for fn_name in ("check_codec", "check_kernel"):
+                fn = getattr(module, fn_name, None)
+                if fn is None:
+                    continue
+                t0 = time.time()
+                result = fn(device)
+                fails, report = result if isinstance(result, tuple) else (result, None)
+                failures += fails
+                checks[f"{module.__name__}.{fn_name}"] = dict(failures=fails, report=report)
+                print(f"{module.__name__}.{fn_name}: {len(fails)} failures ({time.time() - t0:.0f} s)", flush=True)
+                for f in fails:
+                    print("  FAIL", f, flush=True)
+                for row in report or []:
+                    print("  ", row, flush=True)
+
+    ceiling = harness.copy_ceiling_gbs(device)
+    print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
+    all_cases = harness.cases(device, groups)
+    if args.sweep:
+        for module in modules:
+            if hasattr(module, "sweep_cases"):
+                all_cases = module.sweep_cases(device) + all_cases
+    by_group: dict[str, list] = {}
+    for case in all_cases:
+        us = harness.time_case(case)
+        gbs = case.bytes_moved / (us * 1e-6) / 1e9
+        row = dict(group=case.group, name=case.name, params=case.params, us=us, bytes=case.bytes_moved, gbs=gbs,
+                   pct_copy=100 * gbs / ceiling)
+        by_group.setdefault(case.group, []).append(row)
+        print(f"{case.name:55s} {case.params.get('block_p', '')!s:>3} {case.params.get('num_warps', '')!s:>2} "
+              f"{us:9.1f} us {gbs:7.0f} GB/s {row['pct_copy']:5.1f} %", flush=True)
+    extras = {}
+    for module in modules:
+        if hasattr(module, "eager_overhead"):
+            extras[module.__name__] = module.eager_overhead(device)
+            print("eager", module.__name__, extras[module.__name__], flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    for group, rows in by_group.items():
+        payload = dict(key=group, environment=env, command=command, copy_ceiling_gbs=ceiling, results=rows,
+                       checks=checks, eager=extras, failures=failures)
+        path = os.path.join(args.out, f"{group}.json")
+        harness.write_json(path, payload)
+        print(harness.markdown_table(payload), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
