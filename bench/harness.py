@@ -104,7 +104,7 @@ def copy_ceiling_gbs(device: torch.device, nbytes: int = 2**30) -> float:
     """Bandwidth of a device-to-device copy (bytes read + written per second), in GB/s."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    us = _graph_time_us(lambda: dst.copy_(src), 1)
+    us = _graph_time_us(lambda: dst.copy_(src), 1, replays=50)
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
@@ -122,8 +122,9 @@ def eager_us(fn: Callable[[], None], iters: int = 200) -> float:
 
 
 def environment() -> dict:
+    commit = os.environ.get("QSTATE_COMMIT")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 check=False).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
