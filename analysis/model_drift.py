@@ -27,7 +27,7 @@ import torch
 
 from .schemes import Scheme, parse_schemes
 
-__all__ = ["SchemeDrift", "ModelDrift", "model_drift"]
+__all__ = ["SchemeDrift", "ModelDrift", "model_drift", "hf_model_report"]
 
 SUMMARY_FIELDS = ("scheme", "bytes_per_step", "mean_kl", "max_kl", "final_kl", "top1_agreement",
                   "max_abs_logit", "failed_at")
@@ -187,3 +187,41 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
             _, logits = decode_logits(model, input_ids, new_tokens, tokens=tokens)
         results.append(SchemeDrift.compare(scheme, reference, logits))
     return ModelDrift(tokens.cpu(), results, profile)
+
+
+DEFAULT_HF_SCHEMES = ("fp32", "replay/fp32/16", "bf16", "fp8_e4m3:row", "replay/fp32/fp8_e4m3:row/16")
+
+
+def hf_model_report(path: Union[str, os.PathLike], schemes=DEFAULT_HF_SCHEMES, new_tokens: int = 64, *,
+                    prompt: Optional[str] = None, prompt_tokens: int = 32, batch: int = 1, seed: int = 0,
+                    device: str = "cpu", out: Union[str, os.PathLike] = "report") -> ModelDrift:
+    """:func:`model_drift` of the transformers model saved at ``path`` (local weights, no download).
+
+    The prompt is ``prompt`` encoded by the model's tokenizer, else ``batch`` rows of
+    ``prompt_tokens`` token ids drawn uniformly with ``seed``. On the CPU the model is loaded in
+    fp32 (the Triton interpreter runs fp32), elsewhere in its saved dtype. Writes
+    ``model_drift.md``, ``model_drift.json`` and ``model_drift.png`` into ``out``.
+    """
+    import transformers
+
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"hf-model: expected a folder with config.json (local weights), got {path!r}")
+    dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = model.to(device).eval()
+    if prompt is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        input_ids = tokenizer([prompt] * batch, return_tensors="pt").input_ids
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=generator)
+    result = model_drift(model, input_ids.to(device), schemes, new_tokens, seed=seed)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "model_drift.md"), "w") as fh:
+        fh.write(f"# Model-level drift: {path}\n\n{new_tokens} teacher-forced decode steps, batch "
+                 f"{input_ids.shape[0]}, prompt {input_ids.shape[1]} tokens; each scheme against the "
+                 f"unpatched model (KL in nats).\n\n{result.to_markdown()}\n")
+    result.to_json(os.path.join(out, "model_drift.json"))
+    result.plot(os.path.join(out, "model_drift.png"))
+    return result
