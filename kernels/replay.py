@@ -46,29 +46,24 @@ def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.con
 
 
 @triton.jit
-def _scale_offsets(slot, h, rows, cols, nheads, headdim, dstate, GRAN: tl.constexpr):
-    """Offsets of the scale of each element of a ``[BLOCK_P, BLOCK_N]`` tile (row/head/block32)."""
-    head = slot.to(tl.int64) * nheads + h
-    if GRAN == 1:
-        offs = head * headdim + rows[:, None] + cols[None, :] * 0
-    elif GRAN == 2:
-        offs = head + rows[:, None] * 0 + cols[None, :] * 0
-    else:
-        offs = (head * headdim + rows[:, None]) * (dstate // 32) + cols[None, :] // 32
-    return offs
-
-
-@triton.jit
 def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr):
-    """fp32 values ``code · scale`` of one head's ``[BLOCK_P, BLOCK_N]`` tile."""
-    base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
-    codes = tl.load(codes_ptr + base + rows[:, None] * dstate + cols[None, :], mask=mask, other=0)
+                DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 values ``code · scale`` of one head's ``[BLOCK_P, BLOCK_N]`` tile. Scales are loaded
+    at their own granularity and broadcast (a per-element gather costs as much as the codes)."""
+    head = slot.to(tl.int64) * nheads + h
+    codes = tl.load(codes_ptr + head * headdim * dstate + rows[:, None] * dstate + cols[None, :], mask=mask, other=0)
     values = codec.decode(codes, DTYPE, HW)
-    if GRAN != 0:
-        scale = tl.load(scale_ptr + _scale_offsets(slot, h, rows, cols, nheads, headdim, dstate, GRAN),
-                        mask=mask, other=1.0)
-        values = values * scale
+    if GRAN == 1:
+        values = values * tl.load(scale_ptr + head * headdim + rows, mask=rows < headdim, other=1.0)[:, None]
+    elif GRAN == 2:
+        values = values * tl.load(scale_ptr + head)
+    elif GRAN == 3:
+        NB: tl.constexpr = BLOCK_N // 32
+        blocks = tl.arange(0, NB)
+        scale = tl.load(scale_ptr + (head * headdim + rows[:, None]) * (dstate // 32) + blocks[None, :],
+                        mask=(rows[:, None] < headdim) & (blocks[None, :] < dstate // 32), other=1.0)
+        values = tl.reshape(tl.reshape(values, [BLOCK_P, NB, 32]) * scale[:, :, None], [BLOCK_P, BLOCK_N])
     return values
 
 
@@ -153,14 +148,19 @@ def _replay_step_kernel(
         bad = tl.where(slot < 0, 0.0, float("nan"))
         tl.store(y_ptrs, (tl.zeros([BLOCK_P], tl.float32) + bad).to(y_ptrs.dtype.element_ty), mask=mask_p)
     else:
-        n = tl.load(cursor_ptr + slot)
-        full = n == L - 1
+        # Loads that do not depend on the cursor go first, so their latency overlaps its load.
+        mask = mask_p[:, None] & mask_n[None, :]
+        state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                            DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
         dt = _process_dt(dt_ptr + b * stride_dt_b + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+        B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
+        C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+        n = tl.load(cursor_ptr + slot)
+        full = n == L - 1
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         tl.store(ring_x_ptr + (ring_head * L + n) * headdim + rows, x_t, mask=mask_p)
-        B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
         if p_tile == 0:
             tl.store(ring_dt_ptr + ring_head * L + n, dt)
             if h % heads_per_group == 0:
@@ -179,7 +179,6 @@ def _replay_step_kernel(
             total = tl.sum(dts, axis=0)
             since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
             weights = tl.exp(A * since) * dts
-            C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
             B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
                              mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
@@ -188,9 +187,6 @@ def _replay_step_kernel(
                              mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
             x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
             y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
-            mask = mask_p[:, None] & mask_n[None, :]
-            state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                                DTYPE, GRAN, HW)  # [BLOCK_P, BLOCK_N]
             y = tl.exp(A * total) * tl.sum(state * C_t[None, :], axis=1) + y_ring
             _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
                             mask_p, D_ptr, h, HAS_D, HAS_Z)
@@ -208,14 +204,15 @@ def _replay_flush_kernel(
     CK_EMAX: tl.constexpr,
     HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) // NUM_P_TILES
+    p_tile = tl.program_id(1) % NUM_P_TILES
     programs = tl.num_programs(0)
     g = h // heads_per_group
-    rows = tl.arange(0, BLOCK_P)
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.arange(0, BLOCK_N)
     js = tl.arange(0, BLOCK_L)
     mask_p = rows < headdim
@@ -235,17 +232,19 @@ def _replay_flush_kernel(
         total = tl.sum(dts, axis=0)
         weights = tl.exp(A * (total - tl.cumsum(dts, axis=0))) * dts
         decay = tl.exp(A * total)
-        ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)  # Σ_j w_j · x_j ⊗ B_j
-        for j in range(L):
-            w = tl.sum(tl.where(js == j, weights, 0.0), axis=0)
-            x_j = tl.load(ring_x_ptr + (ring_head * L + j) * headdim + rows, mask=mask_p, other=0.0).to(tl.float32)
-            B_j = tl.load(ring_B_ptr + (ring_group * L + j) * dstate + cols, mask=mask_n, other=0.0).to(tl.float32)
-            ring += (w * x_j)[:, None] * B_j[None, :]
+        # Σ_j w_j · x_j ⊗ B_j as one [BLOCK_P, BLOCK_L] × [BLOCK_L, BLOCK_N] product: all ring
+        # loads issue at once (a loop over j serialised them), and "ieee" keeps fp32 products.
+        in_ring = js < L
+        x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
+                         mask=in_ring[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [BLOCK_L, BLOCK_P]
+        B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
+                         mask=in_ring[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_L, BLOCK_N]
+        ring = tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")  # [BLOCK_P, BLOCK_N]
         checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                                 CK_DTYPE, CK_GRAN, HW)
+                                 CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
         if HAS_READ:
             read = _load_state(read_ptr, read_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                               RD_DTYPE, RD_GRAN, HW)
+                               RD_DTYPE, RD_GRAN, HW, BLOCK_P, BLOCK_N)
         else:
             read = checkpoint
         C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
@@ -262,7 +261,7 @@ def _replay_flush_kernel(
                          nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
     # Every row's cursor moves on by one token (to 0 after a flush); the step kernel of this
     # call has finished, so no program reads a cursor while it changes.
-    chunk = h * programs + pid
+    chunk = tl.program_id(1) * programs + pid
     batch_rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = batch_rows < batch
     if HAS_SLOTS:
@@ -274,7 +273,7 @@ def _replay_flush_kernel(
     tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
     # The last program to finish empties the flush list: every program has read `count` by then.
     finished = tl.atomic_add(flush_counters_ptr + 1, 1)
-    if finished == programs * nheads - 1:
+    if finished == programs * nheads * NUM_P_TILES - 1:
         tl.store(flush_counters_ptr, 0)
         tl.store(flush_counters_ptr + 1, 0)
 
@@ -289,10 +288,12 @@ def launch_replay_decode(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
     flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
+    step_block_p: Optional[int] = None, step_warps: Optional[int] = None,
 ):
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
-    stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s."""
+    stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s.
+    ``step_block_p`` / ``step_warps`` override the step kernel's tile height and warps (tuning)."""
     batch, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     L = ring_x.shape[2]
@@ -302,7 +303,8 @@ def launch_replay_decode(
     state_fmt = read_format if has_read else checkpoint_format
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     block_n = max(32, triton.next_power_of_2(dstate))
-    block_p = min(triton.next_power_of_2(headdim), max(16, 8192 // block_n))
+    wide_state = state_fmt.dtype == "fp32"
+    block_p = step_block_p or min(triton.next_power_of_2(headdim), 32 if wide_state else max(16, 8192 // block_n))
     num_p_tiles = triton.cdiv(headdim, block_p)
     block_l = max(2, triton.next_power_of_2(L))
     z_arg = z if z is not None else dummy
@@ -317,11 +319,16 @@ def launch_replay_decode(
         checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
         HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), NUM_P_TILES=num_p_tiles,
-        BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4, **common,
+        BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or (2 if wide_state else 4), **common,
     )
-    programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads)))
-    block_r = max(16, triton.next_power_of_2(triton.cdiv(batch, programs * nheads)))
-    _replay_flush_kernel[(programs, nheads)](
+    # Flush tiles of a few rows keep registers low, so many programs are resident and enough
+    # bytes are in flight; a per-head scale needs the whole head in one tile.
+    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
+    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(16, triton.next_power_of_2(headdim))
+    flush_p_tiles = triton.cdiv(headdim, flush_block_p)
+    programs = max(1, min(batch, triton.cdiv(16 * _num_sms(x.device), nheads * flush_p_tiles)))
+    block_r = max(16, triton.next_power_of_2(triton.cdiv(batch, programs * nheads * flush_p_tiles)))
+    _replay_flush_kernel[(programs, nheads * flush_p_tiles)](
         x, A, C, D if D is not None else dummy, z_arg, slots_arg, out,
         codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
         codec.storage_view(read, read_format) if has_read else dummy,
@@ -339,6 +346,6 @@ def launch_replay_decode(
         RD_SR=read_format.stochastic if has_read else False,
         RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
         RD_EMAX=codec.emax(read_format) if has_read else 0,
-        BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(headdim), BLOCK_N=block_n, BLOCK_R=block_r,
-        num_warps=8, **common,
+        NUM_P_TILES=flush_p_tiles, BLOCK_L=max(16, block_l), BLOCK_P=flush_block_p, BLOCK_N=block_n,
+        BLOCK_R=block_r, num_warps=8 if whole_head else 4, **common,
     )
