@@ -207,6 +207,12 @@ def hf_model_report(path: Union[str, os.PathLike], schemes=DEFAULT_HF_SCHEMES, n
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"hf-model: expected a folder with config.json (local weights), got {path!r}")
+    from qstate.integrations.decode_routes import check_kernels_can_run
+
+    try:
+        check_kernels_can_run(device)
+    except RuntimeError as err:
+        raise ValueError(str(err)) from None
     dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model = model.to(device).eval()

@@ -28,16 +28,30 @@ def _profile(args) -> profiles.Profile:
     return profiles.get(args.model)
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
+def _model_args(parser: argparse.ArgumentParser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=f"built-in profile, one of {profiles.names()}")
     source.add_argument("--config", help="a transformers config.json (Mamba2 or NemotronH) or its folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device for the simulation (cpu, cuda)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    return source
+
+
+def _drift_hf(args) -> int:
+    from .analysis.model_drift import DEFAULT_HF_SCHEMES, hf_model_report
+
+    result = hf_model_report(args.hf_model, args.schemes or ",".join(DEFAULT_HF_SCHEMES), args.new_tokens,
+                             prompt=args.prompt, prompt_tokens=args.prompt_tokens, batch=args.batch,
+                             seed=args.seed, device=args.device, out=args.out)
+    print(result.to_markdown())
+    print(f"\nwrote {args.out}/model_drift.md, model_drift.json and model_drift.png")
+    return 0
 
 
 def _drift(args) -> int:
+    if args.hf_model:
+        return _drift_hf(args)
     from .analysis.report import write_report
     from .analysis.schemes import DEFAULT_SCHEMES
     from .analysis.drift import simulate
@@ -85,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     drift = sub.add_parser("drift", help="simulate storage schemes against the exact recurrence; write a report")
-    _model_args(drift)
+    _model_args(drift).add_argument(
+        "--hf-model", metavar="PATH", help="local transformers Mamba2/NemotronH weights: drift of the logits "
+        "(teacher-forced, each scheme against the unpatched model) instead of a simulation")
     drift.add_argument("--schemes", help="comma-separated scheme strings (default: the demo set)")
     drift.add_argument("--steps", type=int, default=8192)
     drift.add_argument("--batch", type=int, default=2)
@@ -93,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="number of heads spanning the decay range, 'all', or comma-separated indices")
     drift.add_argument("--every", type=int, default=None, help="record every N steps (default: steps / 512)")
     drift.add_argument("--out", default="report", help="output folder (report.md, drift.png, drift.json)")
+    drift.add_argument("--new-tokens", type=int, default=64, help="--hf-model: decode steps")
+    drift.add_argument("--prompt", help="--hf-model: prompt text, encoded by the model's tokenizer")
+    drift.add_argument("--prompt-tokens", type=int, default=32,
+                       help="--hf-model without --prompt: length of the random prompt")
     drift.set_defaults(run=_drift)
 
     choose = sub.add_parser("choose", help="recommend the cheapest scheme within an error tolerance")

@@ -90,3 +90,20 @@ def test_bad_input_is_rejected():
     with qt.patch(model, "fp32"):
         with pytest.raises(ValueError, match="unpatched model"):
             model_drift(model, ids, ["fp32"], 2)
+
+
+def test_cli_drift_hf_model_writes_a_report(tmp_path, capsys):
+    from qstate import cli
+
+    hf_tiny.mamba2(seed=10).save_pretrained(tmp_path / "weights")
+    out = tmp_path / "report"
+    code = cli.main(["drift", "--hf-model", str(tmp_path / "weights"), "--schemes", "fp32,fp8_e4m3:row",
+                     "--new-tokens", "3", "--prompt-tokens", "4", "--batch", "1", "--out", str(out)])
+    assert code == 0
+    assert "| fp8_e4m3:row |" in capsys.readouterr().out
+    assert {"model_drift.md", "model_drift.json", "model_drift.png"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "model_drift.json").read_text())["new_tokens"] == 3
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["drift", "--hf-model", str(tmp_path / "missing")])
+    assert exit_info.value.code == 2
+    assert "hf-model: expected a folder with config.json" in capsys.readouterr().err

@@ -16,6 +16,7 @@ version counter moved since the route's own write).
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from typing import Callable, Optional
 
@@ -61,6 +62,15 @@ def _untie(name: str, t: torch.Tensor, expanded_ndim: int) -> torch.Tensor:
             f"{name}: expected mamba_ssm's tied form (the last dimension a stride-0 expansion), "
             f"got shape {tuple(t.shape)} with strides {t.stride()} and values that differ along it")
     return t[..., 0]
+
+
+def check_kernels_can_run(device: torch.device) -> None:
+    """qstate's Triton kernels run on CPU tensors only under the interpreter, which Triton reads
+    when the kernels are defined: ``TRITON_INTERPRET=1`` must be set before ``import qstate``."""
+    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "device: the model is on the CPU, where qstate's kernels need the Triton interpreter; "
+            "start Python with TRITON_INTERPRET=1 set (before importing qstate), or move the model to a GPU")
 
 
 def _version(t: torch.Tensor) -> Optional[int]:
@@ -111,6 +121,7 @@ class LayerRoute:
                 f"{hidden_states.device}; keep the model and its cache on one device")
         step = DecodeStep.from_transformers(hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z)
         if self._needs_sync(state):
+            check_kernels_can_run(state.device)
             self.sync(state, step)
         y = self.decode(state, step)
         self.steps += 1
