@@ -2,6 +2,7 @@
 
     qstate drift --model nemotron-h-8b [--schemes fp32,fp8_e4m3:row,...] [--steps 8192] [--out report]
     qstate drift --config path/to/config.json ...
+    qstate drift --hf-model path/to/weights [--schemes ...] [--new-tokens 64] [--prompt TEXT] [--device cuda]
     qstate choose --model nemotron-h-8b --tolerance 1e-2 [--objective memory]
     qstate models
 

@@ -194,3 +194,10 @@ def test_decode_logits_rejects_bad_arguments(mamba2):
         qt.decode_logits(mamba2, hf_tiny.prompt(), 0)
     with pytest.raises(ValueError, match="tokens: expected shape"):
         qt.decode_logits(mamba2, hf_tiny.prompt(batch=2), 3, tokens=torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_cpu_kernels_without_the_interpreter_give_a_clear_error(mamba2, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with qt.patch(mamba2, "fp32"):
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            qt.decode_logits(mamba2, hf_tiny.prompt(batch=1, length=3), 1)
