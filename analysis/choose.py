@@ -11,7 +11,7 @@ from qstate import profiles as _profiles
 from .drift import DriftResult, Summary, simulate
 from .schemes import candidate_schemes, parse_schemes
 
-__all__ = ["Recommendation", "recommend", "OBJECTIVES"]
+__all__ = ["Recommendation", "recommend", "rank", "OBJECTIVES"]
 
 OBJECTIVES = {"traffic": "bytes_per_step", "memory": "bytes_resident"}
 
@@ -86,6 +86,15 @@ def recommend(
     every = max(1, steps // 256) if every is None else every
     result = simulate(profile, schemes, steps, batch=batch, heads=heads, seed=seed, device=device, every=every,
                       progress=progress)
+    return rank(result, tolerance, objective)
+
+
+def rank(result: DriftResult, tolerance: float, objective: str = "traffic") -> Recommendation:
+    """Rank the schemes of a finished drift run (what :func:`recommend` does after simulating): another
+    tolerance or objective needs no new simulation."""
+    tolerance = _check_tolerance(tolerance)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: expected one of {sorted(OBJECTIVES)}, got {objective!r}")
     cost = OBJECTIVES[objective]
     accepted, rejected_rows, rejected = [], [], {}
     for j, row in enumerate(result.summary()):

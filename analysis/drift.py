@@ -226,6 +226,10 @@ class Summary(list):
     def __str__(self) -> str:
         return self.markdown()
 
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return Summary(item) if isinstance(index, slice) else item
+
 
 def _growth_exponent(steps: np.ndarray, err: np.ndarray) -> float:
     """Slope of log(error) against log(step) over the second half of the run (scipy linregress)."""

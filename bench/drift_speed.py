@@ -1,0 +1,83 @@
+"""CPU speed of the drift engine, in state element-steps per second.
+
+One element-step is one state element (batch × heads × headdim × dstate) of one scheme advanced by
+one decode step. Each single-scheme run includes everything a drift run does besides that scheme:
+sampling the inputs, the exact fp64 recurrence, recording errors (every 64 steps). Multi-scheme runs
+(the demo set, the chooser's 72 candidates) count the element-steps of all their schemes.
+
+    python bench/drift_speed.py [--threads 2] [--steps 512] [--out bench/results]
+
+Writes ``drift_speed.json`` under ``--out`` and prints a markdown table (paste it into
+bench/README.md with the date, machine and command). Target (issue 3): at least 1e8 element-steps/s
+for fp32 and 8-bit schemes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+from qstate.analysis.drift import simulate
+from qstate.analysis.schemes import DEFAULT_SCHEMES, candidate_schemes
+
+SINGLE = ("fp32", "bf16", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:block32", "fp8_e4m3:row+sr",
+          "replay/fp32/16", "replay/fp32/fp8_e4m3:row/16", "replay/bf16/int8:row/16")
+TARGET = 1e8
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("QSTATE_COMMIT", "unknown")
+
+
+def measure(schemes, steps: int, heads: int, batch: int) -> dict:
+    simulate("nemotron-h-8b", schemes, 16, batch=batch, heads=heads, every=64)  # warm-up
+    result = simulate("nemotron-h-8b", schemes, steps, batch=batch, heads=heads, every=64)
+    rate = result.element_steps_per_second()
+    return {"schemes": [str(s) for s in result.schemes], "steps": steps, "heads": heads, "batch": batch,
+            "seconds": result.elapsed_s, "element_steps_per_s": rate}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for scheme in SINGLE:
+        rows.append({"case": scheme, **measure([scheme], args.steps, args.heads, args.batch)})
+    rows.append({"case": f"demo set ({len(DEFAULT_SCHEMES)} schemes)",
+                 **measure(list(DEFAULT_SCHEMES), args.steps, args.heads, args.batch)})
+    rows.append({"case": "chooser candidates (72 schemes, 8 heads, batch 1)",
+                 **measure(candidate_schemes(), args.steps // 2, 8, 1)})
+    record = {
+        "date": datetime.date.today().isoformat(), "commit": _commit(), "machine": platform.processor() or
+        platform.machine(), "cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+        "command": "python bench/drift_speed.py " + " ".join(argv), "target": TARGET, "rows": rows,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "drift_speed.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+    print(f"| case | element-steps/s ({args.threads} threads) | s | ≥ 1e8 |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['element_steps_per_s']:.3g} | {r['seconds']:.2f} | "
+              f"{'yes' if r['element_steps_per_s'] >= TARGET else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
