@@ -7,11 +7,20 @@ Public API (see README.md):
 * :mod:`qstate.profiles`: model shapes and realistic decode inputs
 """
 
-from . import formats, profiles, reference
-from .formats import QuantizedState, StateFormat, dequantize, quantize
-from .ops import selective_state_update
-from .cache import ReplayCache
-from .ops.replay import replay_decode
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    # Without a GPU the same Triton kernels run under the interpreter, which has to be chosen
+    # before any kernel is defined; an explicit TRITON_INTERPRET setting is left alone.
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from . import formats, profiles, reference  # noqa: E402
+from .formats import QuantizedState, StateFormat, dequantize, quantize  # noqa: E402
+from .ops import selective_state_update  # noqa: E402
+from .cache import ReplayCache  # noqa: E402
+from .ops.replay import replay_decode  # noqa: E402
 
 __version__ = "0.1.0"
 
