@@ -130,13 +130,13 @@ def check_codec(device):
 def check_kernel(device, steps=3):
     """Kernel vs decode_naive on the GPU, every format, fp32 and bf16 inputs, T steps.
 
-    The GPU contracts ``a·S + u`` into an FMA and sums ``S·C`` in another order, so codes may
-    flip where the reference's value lies within an ulp of a rounding boundary: we require
-    < 0.1 % of codes to differ (checked through the
-    dequantized state), and outputs within 1e-5 relative RMS of decode_naive (4e-3 for bf16
-    outputs: one bf16 rounding). Stochastic formats draw other noise than the reference, so
-    their output error against fp64 must stay within 1.5× the reference's own.
-    Returns (failures, rows of the report).
+    The GPU contracts ``a·S + u`` into an FMA and sums ``S·C`` in another order, so a code may
+    flip where the reference's value lies within an ulp of a rounding boundary, and a flipped
+    code moves later outputs by up to one grid step. So: the first step's output (same stored
+    state for both) within 1e-5 relative RMS of decode_naive (4e-3 with bf16 outputs: one bf16
+    rounding); < 0.1 % of the final codes different (round-to-nearest formats); and the error of
+    all outputs against fp64 within 1.5× decode_naive's own (+1e-6), which also covers ``+sr``
+    (other noise than the reference's). Returns (failures, rows of the report).
     """
     failures, report = [], []
     prof = profiles.Profile("check", 8, 64, 128, 2, 1)
@@ -157,24 +157,19 @@ def check_kernel(device, steps=3):
             kw = inp.kwargs()
             kw["state0"] = formats.dequantize(q)
             y_ref, S_ref = reference.decode_naive(**kw, fmt=fmt, generator=gen)
+            y_exact = reference.decode_exact(**kw)[0]
             y = torch.stack(ys)
-            final = formats.dequantize(formats.QuantizedState(state, scale, fmt))
-            rel_y = ((y.double() - y_ref.double()).norm() / y_ref.double().norm()).item()
-            rel_S = ((final.double() - S_ref.double()).norm() / S_ref.double().norm()).item()
+            rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
+            first = rel(y[0], y_ref[0])
+            first_bound = 4e-3 if input_dtype == torch.bfloat16 else 1e-5
             differing = 0.0
-            if fmt.stochastic:
-                # Other noise than the reference's: the error against fp64 must match its error.
-                y_exact = reference.decode_exact(**kw)[0]
-                err = lambda a: ((a.double() - y_exact).norm() / y_exact.norm()).item()  # noqa: E731
-                y_bound = 1.5 * err(y_ref) + 1e-6
-                rel_y = err(y)
-            else:
-                differing = (final != S_ref).double().mean().item()
-                # bf16 outputs carry one bf16 rounding (2**-9 relative).
-                y_bound = 4e-3 if input_dtype == torch.bfloat16 else 1e-5
-            ok = torch.isfinite(y).all().item() and rel_y < y_bound and differing < 1e-3
-            report.append(dict(format=text, inputs=str(input_dtype).replace("torch.", ""), rel_y=rel_y, rel_state=rel_S,
-                               differing=differing, ok=bool(ok)))
+            if not fmt.stochastic:
+                differing = (_bits(state) != _bits(formats.quantize(S_ref, fmt).data)).double().mean().item()
+            err, err_ref = rel(y, y_exact), rel(y_ref, y_exact)
+            ok = bool(torch.isfinite(y).all()) and first < first_bound and differing < 1e-3 and err <= 1.5 * err_ref + 1e-6
+            report.append(dict(format=text, inputs=str(input_dtype).replace("torch.", ""), first_step_rel=first,
+                               codes_differing=differing, err_vs_fp64=err, naive_err_vs_fp64=err_ref, ok=ok))
             if not ok:
-                failures.append(f"kernel {text} {input_dtype}: rel_y {rel_y:.2e} differing {differing:.2e}")
+                failures.append(f"kernel {text} {input_dtype}: first {first:.2e} differing {differing:.2e} "
+                                f"err {err:.2e} vs naive {err_ref:.2e}")
     return failures, report

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", default=None, help="comma-separated case groups (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also time tile sweeps where a module offers one")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--only", default=None, help="time only cases whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("run_gpu: no CUDA device", file=sys.stderr)
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     ceiling = harness.copy_ceiling_gbs(device)
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
     all_cases = harness.cases(device, groups)
+    if args.only:
+        all_cases = [c for c in all_cases if any(part in c.name for part in args.only.split(","))]
     if args.sweep:
         for module in modules:
             if hasattr(module, "sweep_cases"):

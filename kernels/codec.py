@@ -113,7 +113,8 @@ def divide_rn(x, s, s_recip, HW: tl.constexpr):
     if HW:
         q = x * s_recip
         residual = tl.fma(-q, s, x)
-        q = tl.fma(residual, s_recip, q)
+        # An exact quotient keeps q (the FMA would turn -0 into +0).
+        q = tl.where(residual == 0.0, q, tl.fma(residual, s_recip, q))
     else:
         q = tl.div_rn(x, s)
     return q

@@ -147,7 +147,7 @@ def _conventional_kernel(
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
 # about the same bytes for other dstate); measured on an H200 (bench/README.md).
-_TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (64, 4)}
+_TILE_ROWS = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 
 
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
