@@ -249,7 +249,9 @@ def compute_scale(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     """The fp32 scale of ``x`` in ``fmt`` (rules 1–2 of the module docstring)."""
     amax = _group_amax(x.float(), fmt)
     if fmt.granularity != "block32":
-        return torch.clamp(amax / fmt.qmax, FLT_MIN, fmt.max_scale)
+        # A tensor divisor: CUDA torch turns division by a Python scalar into a multiplication by
+        # its reciprocal, which is not the one IEEE division of rule 2.
+        return torch.clamp(amax / torch.full_like(amax, fmt.qmax), FLT_MIN, fmt.max_scale)
     # MX rule: the largest magnitude lands in the top binade of the code, [2**emax, 2**(emax+1)).
     _, exp = torch.frexp(amax)  # amax = m · 2**exp, 0.5 <= m < 1, so floor(log2 amax) = exp - 1
     shared = torch.clamp(exp - 1 - fmt.emax, min=-126, max=126 - fmt.emax)
