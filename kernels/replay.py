@@ -303,8 +303,9 @@ def launch_replay_decode(
     state_fmt = read_format if has_read else checkpoint_format
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     block_n = max(32, triton.next_power_of_2(dstate))
-    wide_state = state_fmt.dtype == "fp32"
-    block_p = step_block_p or min(triton.next_power_of_2(headdim), 32 if wide_state else max(16, 8192 // block_n))
+    # 32-row tiles with 2 warps were fastest for fp32 and fp8 states in the H200 sweep
+    # (bench/README.md, "Replay decode").
+    block_p = step_block_p or min(triton.next_power_of_2(headdim), 32)
     num_p_tiles = triton.cdiv(headdim, block_p)
     block_l = max(2, triton.next_power_of_2(L))
     z_arg = z if z is not None else dummy
@@ -319,7 +320,7 @@ def launch_replay_decode(
         checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
         HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), NUM_P_TILES=num_p_tiles,
-        BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or (2 if wide_state else 4), **common,
+        BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or 2, **common,
     )
     # Flush tiles of a few rows keep registers low, so many programs are resident and enough
     # bytes are in flight; a per-head scale needs the whole head in one tile.
