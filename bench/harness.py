@@ -166,8 +166,9 @@ def markdown_table(payload: dict) -> str:
     ]
     for r in payload["results"]:
         p = r["params"]
+        label = p.get("format", "") + (f" (BLOCK_P {p['block_p']}, {p['num_warps']} warps)" if "block_p" in p else "")
         lines.append(
-            f"| {r['group']} | {p.get('model', '')} | {p.get('batch', '')} | {p.get('format', '')} | "
+            f"| {r['group']} | {p.get('model', '')} | {p.get('batch', '')} | {label} | "
             f"{p.get('inputs', '')} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f} |"
         )
     for note in payload.get("notes", []):
