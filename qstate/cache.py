@@ -9,10 +9,12 @@ tensor              shape                                              dtype
 ``checkpoint_scale````checkpoint.scale_shape`` or None                   fp32
 ``read``            ``(slots, nheads, headdim, dstate)`` or None       read storage dtype
 ``read_scale``      ``read.scale_shape`` or None                       fp32
-``ring_x``          ``(slots, nheads, ring_len, headdim)``             ``input_dtype``
-``ring_dt``         ``(slots, nheads, ring_len)``                      fp32 (processed dt)
-``ring_B``          ``(slots, ngroups, ring_len, dstate)``             ``input_dtype``
+``ring_x``          ``(slots, nheads, capacity, headdim)``             ``input_dtype``
+``ring_dt``         ``(slots, nheads, capacity)``                      fp32 (processed dt)
+``ring_B``          ``(slots, ngroups, capacity, dstate)``             ``input_dtype``
 ``cursor``          ``(slots,)``                                       int32: tokens in the ring
+``drafts``          ``(slots,)``                                       int32: tentative tokens
+``commit_errors``   ``(1,)``                                           int32: error bits
 ``generation``      ``(slots,)``                                       int32: flushes so far
 ``flush_rows``      ``(slots,)``                                       int32: scratch of a step
 ``flush_counters``  ``(2,)``                                           int32: scratch of a step
@@ -24,6 +26,13 @@ group, as the inputs give it. ``generation`` numbers the flushes of a slot; stoc
 rounding draws its noise from it, so replaying a CUDA graph draws fresh noise.
 ``flush_rows`` and ``flush_counters`` are the work list of one step (rows whose ring became
 full); they are zero between calls.
+
+Speculative decoding (:func:`qstate.replay_verify`, :func:`qstate.replay_commit`, DESIGN.md
+§3.2) needs room for the drafts beyond the committed tokens: ``allocate(..., max_draft=T_max)``
+makes the ring ``capacity = ring_len + max_draft`` tokens long (``capacity == ring_len``
+without it). ``drafts[s]`` counts the tokens a verify appended beyond the cursor (0: nothing
+to commit); ``commit_errors`` collects the bits of commits refused on the device
+(:func:`qstate.replay_check_commits` reads and clears them).
 
 A serving engine that owns its memory builds a cache over its own tensors with
 :meth:`ReplayCache.from_tensors` (same shapes and dtypes as the table; the checkpoint, read
@@ -68,6 +77,16 @@ class ReplayCache:
     flush_rows: torch.Tensor
     flush_counters: torch.Tensor
     seed: int = 0
+    max_draft: int = 0
+    drafts: Optional[torch.Tensor] = None
+    commit_errors: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        # Caches built before speculative decoding existed get its two small counters here.
+        if self.drafts is None:
+            self.drafts = torch.zeros(self.cursor.shape, dtype=torch.int32, device=self.cursor.device)
+        if self.commit_errors is None:
+            self.commit_errors = torch.zeros((1,), dtype=torch.int32, device=self.cursor.device)
 
     # ---------------------------------------------------------------- construction
 
@@ -75,19 +94,23 @@ class ReplayCache:
     def allocate(
         cls, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int = 1, *,
         ring_len: int = 16, checkpoint: FormatLike = "fp32", read: Optional[FormatLike] = "fp8_e4m3:row",
-        input_dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0,
+        input_dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0, max_draft: int = 0,
     ) -> "ReplayCache":
         """A zeroed cache of ``num_slots`` slots (cursors at 0, states zero).
 
         ``checkpoint`` and ``read`` are format strings (``read=None``: no read copy, outputs
         read the checkpoint). ``input_dtype`` is the dtype of the ring's ``x`` and ``B`` (the
         dtype of the decode inputs; fp32, bf16 or fp16). ``seed`` seeds stochastic rounding.
+        ``max_draft``: the most draft tokens one :func:`qstate.replay_verify` may append (0: no
+        speculative decoding); the ring then holds ``ring_len + max_draft`` tokens.
         """
         for name, v in (("num_slots", num_slots), ("nheads", nheads), ("headdim", headdim),
                         ("dstate", dstate), ("ngroups", ngroups), ("ring_len", ring_len)):
             _validate.positive_int(name, v)
         if nheads % ngroups:
             raise ValueError(f"ngroups: nheads ({nheads}) must be a multiple of ngroups, got {ngroups}")
+        _check_max_draft(max_draft)
+        capacity = ring_len + max_draft
         ck_fmt, read_fmt = _formats(checkpoint, read)
         _check_input_dtype(input_dtype)
         device = torch.device("cpu") if device is None else torch.device(device)
@@ -108,12 +131,12 @@ class ReplayCache:
             checkpoint=zeros(shape, ck_fmt.storage_dtype), checkpoint_scale=scale(ck_fmt),
             read=None if read_fmt is None else zeros(shape, read_fmt.storage_dtype),
             read_scale=scale(read_fmt),
-            ring_x=zeros((num_slots, nheads, ring_len, headdim), input_dtype),
-            ring_dt=zeros((num_slots, nheads, ring_len), torch.float32),
-            ring_B=zeros((num_slots, ngroups, ring_len, dstate), input_dtype),
+            ring_x=zeros((num_slots, nheads, capacity, headdim), input_dtype),
+            ring_dt=zeros((num_slots, nheads, capacity), torch.float32),
+            ring_B=zeros((num_slots, ngroups, capacity, dstate), input_dtype),
             cursor=zeros((num_slots,), torch.int32), generation=zeros((num_slots,), torch.int32),
             flush_rows=zeros((num_slots,), torch.int32), flush_counters=zeros((2,), torch.int32),
-            seed=int(seed),
+            seed=int(seed), max_draft=max_draft,
         )
 
     @classmethod
@@ -122,20 +145,28 @@ class ReplayCache:
         cursor: torch.Tensor, generation: torch.Tensor, flush_rows: torch.Tensor, flush_counters: torch.Tensor,
         checkpoint_format: FormatLike = "fp32", checkpoint_scale: Optional[torch.Tensor] = None,
         read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
-        read_scale: Optional[torch.Tensor] = None, seed: int = 0,
+        read_scale: Optional[torch.Tensor] = None, seed: int = 0, max_draft: int = 0,
+        drafts: Optional[torch.Tensor] = None, commit_errors: Optional[torch.Tensor] = None,
     ) -> "ReplayCache":
         """A cache over tensors the caller owns (shapes and dtypes in the module docstring).
 
-        Nothing is copied or cleared: zero ``flush_rows`` and ``flush_counters`` and
-        :meth:`reset` every slot before the first decode step.
+        Nothing is copied or cleared: zero ``flush_rows``, ``flush_counters``, ``drafts`` and
+        ``commit_errors`` and :meth:`reset` every slot before the first decode step. The ring's
+        length is ``ring_len + max_draft``; ``drafts`` and ``commit_errors`` are allocated
+        (zeroed) when not given.
         """
         ck_fmt, read_fmt = _formats(checkpoint_format, read_format)
         _validate.tensor("ring_x", ring_x, ndim=4)
+        _check_max_draft(max_draft)
+        if ring_x.shape[2] <= max_draft:
+            raise ValueError(f"ring_x: expected more than max_draft = {max_draft} tokens (ring_len + max_draft), "
+                             f"got {ring_x.shape[2]}")
         cache = cls(
-            checkpoint_format=ck_fmt, read_format=read_fmt, ring_len=ring_x.shape[2],
+            checkpoint_format=ck_fmt, read_format=read_fmt, ring_len=ring_x.shape[2] - max_draft,
             checkpoint=checkpoint, checkpoint_scale=checkpoint_scale, read=read, read_scale=read_scale,
             ring_x=ring_x, ring_dt=ring_dt, ring_B=ring_B, cursor=cursor, generation=generation,
-            flush_rows=flush_rows, flush_counters=flush_counters, seed=int(seed),
+            flush_rows=flush_rows, flush_counters=flush_counters, seed=int(seed), max_draft=max_draft,
+            drafts=drafts, commit_errors=commit_errors,
         )
         cache.validate()
         return cache
@@ -147,7 +178,7 @@ class ReplayCache:
         _validate.tensor("ring_B", self.ring_B, ndim=4, floating=False)
         ngroups = self.ring_B.shape[1]
         shape = tuple(self.checkpoint.shape)
-        L = self.ring_len
+        L = self.capacity
         expected = {
             "checkpoint": (self.checkpoint, shape, self.checkpoint_format.storage_dtype),
             "ring_x": (self.ring_x, (slots, nheads, L, headdim), self.ring_x.dtype),
@@ -157,6 +188,8 @@ class ReplayCache:
             "generation": (self.generation, (slots,), torch.int32),
             "flush_rows": (self.flush_rows, (slots,), torch.int32),
             "flush_counters": (self.flush_counters, (2,), torch.int32),
+            "drafts": (self.drafts, (slots,), torch.int32),
+            "commit_errors": (self.commit_errors, (1,), torch.int32),
         }
         fields = [("checkpoint_scale", self.checkpoint_scale, self.checkpoint_format),
                   ("read", self.read, self.read_format), ("read_scale", self.read_scale, self.read_format)]
@@ -193,6 +226,11 @@ class ReplayCache:
     # ---------------------------------------------------------------- sizes
 
     @property
+    def capacity(self) -> int:
+        """Tokens the ring holds: ``ring_len + max_draft``."""
+        return self.ring_len + self.max_draft
+
+    @property
     def num_slots(self) -> int:
         return self.checkpoint.shape[0]
 
@@ -223,7 +261,7 @@ class ReplayCache:
     def tensors(self) -> dict:
         """Every tensor of the cache by field name (None for absent ones)."""
         names = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
-                 "cursor", "generation", "flush_rows", "flush_counters")
+                 "cursor", "generation", "flush_rows", "flush_counters", "drafts", "commit_errors")
         return {n: getattr(self, n) for n in names}
 
     @property
@@ -304,6 +342,7 @@ class ReplayCache:
             if self.read_scale is not None:
                 self.read_scale[idx] = rd.scale
         self.cursor[idx] = 0
+        self.drafts[idx] = 0
 
     def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values of the stored checkpoints of ``slots``: ``(n, nheads, headdim, dstate)``."""
@@ -332,7 +371,7 @@ class ReplayCache:
         f = torch.float64
         S = self.checkpoint_values(idx).to(f)
         n = self.cursor[idx].long()  # [n_slots]
-        live = (torch.arange(self.ring_len, device=self.device)[None, :] < n[:, None]).to(f)  # [n_slots, L]
+        live = (torch.arange(self.capacity, device=self.device)[None, :] < n[:, None]).to(f)  # [n_slots, L]
         dts = self.ring_dt[idx].to(f) * live[:, None, :]  # [n_slots, nheads, L]; empty entries weigh 0
         suffix = dts.sum(-1, keepdim=True) - torch.cumsum(dts, dim=-1)  # Λ − Λ_j
         Af = A.to(device=self.device, dtype=f)[None, :, None]
@@ -349,6 +388,13 @@ def _formats(checkpoint: FormatLike, read: Optional[FormatLike]):
     if ck_fmt.granularity not in (None, "row"):
         raise ValueError(f"checkpoint: expected fp32, bf16, fp16 (optionally +sr) or an 8-bit ':row' format, got {ck_fmt}")
     return ck_fmt, read_fmt
+
+
+def _check_max_draft(max_draft) -> None:
+    if isinstance(max_draft, bool) or not isinstance(max_draft, int):
+        raise TypeError(f"max_draft: expected an int, got {type(max_draft).__name__}")
+    if max_draft < 0:
+        raise ValueError(f"max_draft: expected an int >= 0, got {max_draft}")
 
 
 def _check_block32(fmt: Optional[StateFormat], name: str, dstate: int) -> None:

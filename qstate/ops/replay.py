@@ -105,6 +105,11 @@ def replay_decode(
     """
     if not isinstance(cache, ReplayCache):
         raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    if cache.max_draft:
+        # Its ring is longer than ring_len and its cursors may pass ring_len - 1, which the step
+        # kernel's flush rule does not cover; a verify of one token is the plain step there.
+        raise ValueError(f"cache: expected a cache without speculative room (max_draft 0) for replay_decode, "
+                         f"got max_draft {cache.max_draft}; decode with replay_verify (T = 1) + replay_commit")
     _validate.tensor("x", x, ndim=3)
     batch = x.shape[0]
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
