@@ -1,0 +1,519 @@
+"""Speculative decoding on replay (DESIGN.md §3.2): verify T draft tokens per row without writing
+state, commit by moving the cursor; and the per-draft-state baseline serving engines use today.
+Derivations and traffic: kernels/README.md, "Speculative decoding".
+
+Verify, three launches that keep every decision on the device:
+
+* ``_verify_kernel``, grid ``(nheads × P-tiles, batch)``: reads the slot's cursor ``n``. A row
+  whose ring could not hold the next round's drafts (``n > 0`` and ``n + 2T > capacity``) goes
+  on the flush list and waits. Every other row computes its T outputs from the read copy (or
+  checkpoint), the ``n`` committed ring tokens and the drafts, causally, and appends the drafts
+  at ``n … n+T−1``.
+* ``_verify_flush_kernel``, grid ``(G, nheads × P-tiles)``: for each listed row folds the ``n``
+  committed tokens into the checkpoint (fp32, from the stored checkpoint), stores it and the
+  read copy, and computes the T outputs from the new read copy and the drafts alone.
+* ``_verify_append_kernel``, grid ``(G, nheads)``: writes the listed rows' drafts at ``0 … T−1``
+  (after the fold has read the old tokens there), then its last program sets their cursors to
+  0 and clears the list.
+
+Every live row's ``drafts[slot]`` becomes T. ``_commit_kernel`` moves ``cursor += accepted``
+and zeroes ``drafts``; a row with no pending drafts or ``accepted`` outside ``0 … drafts``
+leaves its slot untouched and sets a bit of ``commit_errors`` (1: no verify, 2: out of range).
+
+Baseline: ``_drafts_kernel`` updates the state over the T tokens in registers and stores the
+state after every token into ``intermediate[row, t]`` (T state writes per row);
+``_copy_accepted_kernel`` copies ``intermediate[row, accepted − 1]`` into the slot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import codec
+from .conventional import tile_config
+from .replay import _gate_and_store, _load_state, _num_sms, _process_dt, _softplus, _store_state
+
+ERROR_NO_VERIFY = 1
+ERROR_ACCEPTED_RANGE = 2
+
+
+@triton.jit
+def _draft_outputs(
+    state, n, b, h, g, rows, cols, mask_p, mask_n, A,
+    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+    ring_head, ring_group, p_tile, heads_per_group,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
+    headdim, dstate,
+    CAP: tl.constexpr, T: tl.constexpr, APPEND: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The T outputs of one (row, head, P-tile) from ``state`` ([BLOCK_P, BLOCK_N] fp32, the
+    values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
+    joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
+    ``APPEND`` also stores the drafts into the ring at ``n + i``."""
+    js = tl.arange(0, BLOCK_J)
+    committed = js < n
+    is_draft = (js >= n) & (js < n + T)
+    d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
+    dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
+    dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dt_draft += tl.load(dt_bias_ptr + h).to(tl.float32)
+    if SOFTPLUS:
+        dt_draft = _softplus(dt_draft)
+    dts = tl.where(committed, dt_ring, tl.where(is_draft, dt_draft, 0.0))  # [BLOCK_J]
+    cum = tl.cumsum(dts, axis=0)  # Λ_j
+    x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
+                     mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    x_new = tl.load(x_ptr + b * stride_x_b + d[:, None] * stride_x_t + h * stride_x_h + rows[None, :],
+                    mask=is_draft[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    x_all = tl.where(committed[:, None], x_ring, x_new)  # [BLOCK_J, BLOCK_P]
+    B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
+                     mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
+                    mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
+    for i in tl.static_range(T):
+        position = n + i
+        lam = tl.sum(tl.where(js == position, cum, 0.0), axis=0)  # Λ at draft i
+        weights = tl.where(js <= position, tl.exp(A * (lam - cum)) * dts, 0.0)  # [BLOCK_J]
+        C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                      other=0.0).to(tl.float32)
+        BC = tl.sum(B_all * C_i[None, :], axis=1)  # [BLOCK_J]
+        y_ring = tl.sum((weights * BC)[:, None] * x_all, axis=0)  # [BLOCK_P]
+        y = tl.exp(A * lam) * tl.sum(state * C_i[None, :], axis=1) + y_ring
+        x_i = tl.load(x_ptr + b * stride_x_b + i * stride_x_t + h * stride_x_h + rows, mask=mask_p, other=0.0)
+        _gate_and_store(y, x_i.to(tl.float32), y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows,
+                        z_ptr + b * stride_z_b + i * stride_z_t + h * stride_z_h + rows, mask_p, D_ptr, h,
+                        HAS_D, HAS_Z)
+        if APPEND:
+            tl.store(ring_x_ptr + (ring_head * CAP + position) * headdim + rows, x_i, mask=mask_p)
+            if p_tile == 0:
+                tl.store(ring_dt_ptr + ring_head * CAP + position, tl.sum(tl.where(js == position, dts, 0.0), axis=0))
+                if h % heads_per_group == 0:
+                    B_i = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n,
+                                  other=0.0)
+                    tl.store(ring_B_ptr + (ring_group * CAP + position) * dstate + cols, B_i, mask=mask_n)
+
+
+@triton.jit
+def _verify_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
+    drafts_ptr, flush_rows_ptr, flush_counters_ptr,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
+    num_slots, nheads, headdim, dstate, heads_per_group,
+    CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0) // NUM_P_TILES
+    p_tile = tl.program_id(0) % NUM_P_TILES
+    b = tl.program_id(1)
+    g = h // heads_per_group
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    mask_p = rows < headdim
+    mask_n = cols < dstate
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int32)
+    else:
+        slot = b
+    if (slot < 0) | (slot >= num_slots):
+        # Padding outputs zeros; an index past the cache (unchecked on a GPU) outputs NaN.
+        bad = (tl.zeros([BLOCK_P], tl.float32) + tl.where(slot < 0, 0.0, float("nan"))).to(y_ptr.dtype.element_ty)
+        for i in tl.static_range(T):
+            tl.store(y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows, bad, mask=mask_p)
+    else:
+        n = tl.load(cursor_ptr + slot)
+        flush = (n > 0) & (n + 2 * T > CAP)
+        if (h == 0) & (p_tile == 0):
+            tl.store(drafts_ptr + slot, T)
+            if flush:
+                position = tl.atomic_add(flush_counters_ptr, 1)
+                tl.store(flush_rows_ptr + position, b)
+                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+        if (n == 0) | (n + 2 * T <= CAP):
+            state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
+                                nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+            A = tl.load(A_ptr + h).to(tl.float32)
+            ring_head = slot.to(tl.int64) * nheads + h
+            ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+            _draft_outputs(
+                state, n, b, h, g, rows, cols, mask_p, mask_n, A,
+                x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+                ring_head, ring_group, p_tile, heads_per_group,
+                stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+                stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
+                stride_y_h, headdim, dstate, CAP, T, True, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+            )
+
+
+@triton.jit
+def _verify_flush_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
+    nheads, headdim, dstate, heads_per_group,
+    CAP: tl.constexpr, T: tl.constexpr,
+    CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
+    CK_EMAX: tl.constexpr,
+    HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
+    RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1) // NUM_P_TILES
+    p_tile = tl.program_id(1) % NUM_P_TILES
+    programs = tl.num_programs(0)
+    g = h // heads_per_group
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_J)
+    mask_p = rows < headdim
+    mask_n = cols < dstate
+    mask = mask_p[:, None] & mask_n[None, :]
+    A = tl.load(A_ptr + h).to(tl.float32)
+    count = tl.load(flush_counters_ptr)
+    for r in range(pid, count, programs):
+        b = tl.load(flush_rows_ptr + r)
+        if HAS_SLOTS:
+            slot = tl.load(slot_ptr + b).to(tl.int32)
+        else:
+            slot = b
+        n = tl.load(cursor_ptr + slot)  # committed tokens; the append kernel zeroes it later
+        ring_head = slot.to(tl.int64) * nheads + h
+        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+        committed = js < n
+        dts = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)  # [BLOCK_J]
+        total = tl.sum(dts, axis=0)
+        weights = tl.exp(A * (total - tl.cumsum(dts, axis=0))) * dts
+        x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
+                         mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [BLOCK_J, BLOCK_P]
+        B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
+                         mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_J, BLOCK_N]
+        ring = tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")  # [BLOCK_P, BLOCK_N]
+        checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                                 CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
+        # Stochastic rounding: one Philox stream per (slot, flush), as the replay flush draws it.
+        stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
+        state = _store_state(tl.exp(A * total) * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h,
+                             rows, cols, nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW,
+                             BLOCK_P, BLOCK_N)
+        if HAS_READ:
+            state = _store_state(state, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
+                                 nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW,
+                                 BLOCK_P, BLOCK_N)
+        _draft_outputs(
+            state, n * 0, b, h, g, rows, cols, mask_p, mask_n, A,
+            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+            ring_head, ring_group, p_tile, heads_per_group,
+            stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+            stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
+            stride_y_h, headdim, dstate, CAP, T, False, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+        )
+
+
+@triton.jit
+def _verify_append_kernel(
+    x_ptr, dt_ptr, B_ptr, dt_bias_ptr, slot_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr,
+    flush_rows_ptr, flush_counters_ptr,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    nheads, headdim, dstate, heads_per_group,
+    CAP: tl.constexpr, T: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    programs = tl.num_programs(0)
+    g = h // heads_per_group
+    rows = tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    mask_p = rows < headdim
+    mask_n = cols < dstate
+    count = tl.load(flush_counters_ptr)
+    for r in range(pid, count, programs):
+        b = tl.load(flush_rows_ptr + r)
+        if HAS_SLOTS:
+            slot = tl.load(slot_ptr + b).to(tl.int32)
+        else:
+            slot = b
+        ring_head = slot.to(tl.int64) * nheads + h
+        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+        for i in tl.static_range(T):
+            x_i = tl.load(x_ptr + b * stride_x_b + i * stride_x_t + h * stride_x_h + rows, mask=mask_p, other=0.0)
+            tl.store(ring_x_ptr + (ring_head * CAP + i) * headdim + rows, x_i, mask=mask_p)
+            dt_i = _process_dt(dt_ptr + b * stride_dt_b + i * stride_dt_t + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
+            tl.store(ring_dt_ptr + ring_head * CAP + i, dt_i)
+            if h % heads_per_group == 0:
+                B_i = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n, other=0.0)
+                tl.store(ring_B_ptr + (ring_group * CAP + i) * dstate + cols, B_i, mask=mask_n)
+    # The last program to finish zeroes the flushed rows' cursors (every fold has read them: the
+    # flush kernel ran before this one) and empties the list for the next call.
+    finished = tl.atomic_add(flush_counters_ptr + 1, 1)
+    if finished == programs * nheads - 1:
+        for start in range(0, count, BLOCK_R):
+            entries = start + tl.arange(0, BLOCK_R)
+            listed = entries < count
+            bs = tl.load(flush_rows_ptr + entries, mask=listed, other=0)
+            if HAS_SLOTS:
+                slots = tl.load(slot_ptr + bs, mask=listed, other=0).to(tl.int32)
+            else:
+                slots = bs
+            tl.store(cursor_ptr + slots, tl.zeros([BLOCK_R], tl.int32), mask=listed)
+        tl.store(flush_counters_ptr, 0)
+        tl.store(flush_counters_ptr + 1, 0)
+
+
+@triton.jit
+def _commit_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, errors_ptr, batch, num_slots,
+                   HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
+    batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_batch = batch_rows < batch
+    if HAS_SLOTS:
+        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int32)
+    else:
+        slots = tl.where(in_batch, batch_rows, -1)
+    live = (slots >= 0) & (slots < num_slots)
+    accepted = tl.load(accepted_ptr + batch_rows, mask=live, other=0).to(tl.int32)
+    pending = tl.load(drafts_ptr + slots, mask=live, other=0)
+    no_verify = live & (pending == 0)
+    out_of_range = live & (pending > 0) & ((accepted < 0) | (accepted > pending))
+    ok = live & (pending > 0) & (accepted >= 0) & (accepted <= pending)
+    n = tl.load(cursor_ptr + slots, mask=ok, other=0)
+    tl.store(cursor_ptr + slots, n + accepted, mask=ok)
+    tl.store(drafts_ptr + slots, tl.zeros([BLOCK_R], tl.int32), mask=ok)
+    bits = tl.max(no_verify.to(tl.int32), axis=0) * 1 + tl.max(out_of_range.to(tl.int32), axis=0) * 2
+    if bits != 0:
+        tl.atomic_or(errors_ptr, bits)
+
+
+@triton.jit
+def _drafts_kernel(
+    state_ptr, state_scale_ptr, inter_ptr, inter_scale_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr,
+    dt_bias_ptr, slot_ptr, y_ptr,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
+    num_slots, nheads, headdim, dstate, heads_per_group,
+    T: tl.constexpr, T_MAX: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0) // NUM_P_TILES
+    p_tile = tl.program_id(0) % NUM_P_TILES
+    b = tl.program_id(1)
+    g = h // heads_per_group
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    mask_p = rows < headdim
+    mask_n = cols < dstate
+    mask = mask_p[:, None] & mask_n[None, :]
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int32)
+    else:
+        slot = b
+    if (slot < 0) | (slot >= num_slots):
+        bad = (tl.zeros([BLOCK_P], tl.float32) + tl.where(slot < 0, 0.0, float("nan"))).to(y_ptr.dtype.element_ty)
+        for i in tl.static_range(T):
+            tl.store(y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows, bad, mask=mask_p)
+    else:
+        state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                            DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+        A = tl.load(A_ptr + h).to(tl.float32)
+        for i in tl.static_range(T):
+            dt = _process_dt(dt_ptr + b * stride_dt_b + i * stride_dt_t + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
+            x = tl.load(x_ptr + b * stride_x_b + i * stride_x_t + h * stride_x_h + rows, mask=mask_p,
+                        other=0.0).to(tl.float32)
+            B = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n,
+                        other=0.0).to(tl.float32)
+            C = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                        other=0.0).to(tl.float32)
+            # The conventional kernel's order: a·S + (dt·x) ⊗ B, output from the unrounded state.
+            state = tl.exp(dt * A) * state + (dt * x)[:, None] * B[None, :]
+            y = tl.sum(state * C[None, :], axis=1)
+            if HAS_D:
+                y = y + tl.load(D_ptr + h).to(tl.float32) * x
+            if HAS_Z:
+                z = tl.load(z_ptr + b * stride_z_b + i * stride_z_t + h * stride_z_h + rows, mask=mask_p,
+                            other=0.0).to(tl.float32)
+                y = y * z * (1.0 / (1.0 + tl.exp(-z)))
+            tl.store(y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows, y.to(y_ptr.dtype.element_ty),
+                     mask=mask_p)
+            # The next token starts from the stored state, as T conventional steps would.
+            state = _store_state(state, mask, inter_ptr, inter_scale_ptr, 0, b * T_MAX + i, h, rows, cols,
+                                 nheads, headdim, dstate, DTYPE, GRAN, False, QMAX, EMAX, HW, BLOCK_P, BLOCK_N)
+
+
+@triton.jit
+def _copy_accepted_kernel(src_ptr, dst_ptr, accepted_ptr, slot_ptr, per_slot, num_slots,
+                          T_MAX: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(1)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    accepted = tl.load(accepted_ptr + b).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots) & (accepted > 0) & (accepted <= T_MAX):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < per_slot
+        source = (b.to(tl.int64) * T_MAX + accepted - 1) * per_slot
+        tl.store(dst_ptr + slot * per_slot + offsets, tl.load(src_ptr + source + offsets, mask=inside), mask=inside)
+
+
+# ------------------------------------------------------------------------------------ launchers
+
+
+def _strides(x, dt, B, C, z, out):
+    """Row, token and head/group strides of the (batch, T, ...) inputs, in the kernels' order."""
+    z_strides = (z.stride(0), z.stride(1), z.stride(2)) if z is not None else (0, 0, 0)
+    return (x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2),
+            C.stride(0), C.stride(1), C.stride(2), *z_strides, out.stride(0), out.stride(1), out.stride(2))
+
+
+def _format_constants(fmt, prefix):
+    present = fmt is not None
+    return {
+        f"{prefix}DTYPE": codec.dtype_code(fmt) if present else 0,
+        f"{prefix}GRAN": codec.granularity_code(fmt) if present else 0,
+        f"{prefix}SR": fmt.stochastic if present else False,
+        f"{prefix}QMAX": codec.qmax(fmt) if present else 1.0,
+        f"{prefix}EMAX": codec.emax(fmt) if present else 0,
+    }
+
+
+def launch_replay_verify(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
+    checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
+    flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
+    block_p: Optional[int] = None, num_warps: Optional[int] = None,
+):
+    """Launch one verify. Arguments are validated (``qstate.ops.speculative``): x, z, out
+    ``(batch, T, nheads, headdim)``, dt ``(batch, T, nheads)``, B, C ``(batch, T, ngroups,
+    dstate)``, unit stride in the last dimension; cache tensors contiguous, ring capacity
+    ``ring_x.shape[2] ≥ T``. ``block_p`` / ``num_warps`` override the verify kernel's tile."""
+    batch, T, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    cap = ring_x.shape[2]
+    hw = codec.hardware_casts(x.device)
+    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
+    has_read = read is not None
+    state_fmt = read_format if has_read else checkpoint_format
+    state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
+    block_n = max(32, triton.next_power_of_2(dstate))
+    block_j = max(16, triton.next_power_of_2(cap))
+    whole_state_head = state_fmt.granularity == "head"
+    wide_state = state_fmt.dtype == "fp32"
+    if block_p is None:
+        block_p = triton.next_power_of_2(headdim) if whole_state_head else \
+            min(triton.next_power_of_2(headdim), 32 if wide_state else 64)
+    num_p_tiles = triton.cdiv(headdim, block_p)
+    z_arg = z if z is not None else dummy
+    slots_arg = slot_indices if slot_indices is not None else dummy
+    D_arg = D if D is not None else dummy
+    bias_arg = dt_bias if dt_bias is not None else dummy
+    strides = _strides(x, dt, B, C, z, out)
+    flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+                 HAS_SLOTS=slot_indices is not None)
+    _verify_kernel[(nheads * num_p_tiles, batch)](
+        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
+        codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
+        ring_x, ring_dt, ring_B, cursor, generation, drafts, flush_rows, flush_counters,
+        *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
+        CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
+        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=num_warps or 4, **flags,
+    )
+    # The flush walks the list in a few programs per multiprocessor; 16-row tiles keep its
+    # registers low (a per-head scale needs the whole head in one tile).
+    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
+    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(16, triton.next_power_of_2(headdim))
+    flush_p_tiles = triton.cdiv(headdim, flush_block_p)
+    programs = max(1, min(batch, triton.cdiv(16 * _num_sms(x.device), nheads * flush_p_tiles)))
+    _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
+        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
+        codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
+        codec.storage_view(read, read_format) if has_read else dummy, read_scale if read_scale is not None else dummy,
+        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
+        *strides, nheads, headdim, dstate, nheads // ngroups,
+        CAP=cap, T=T, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
+        **_format_constants(read_format, "RD_"), HW=hw, NUM_P_TILES=flush_p_tiles,
+        BLOCK_J=block_j, BLOCK_P=flush_block_p, BLOCK_N=block_n, num_warps=8 if whole_head else 4, **flags,
+    )
+    append_programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads)))
+    _verify_append_kernel[(append_programs, nheads)](
+        x, dt, B, bias_arg, slots_arg, ring_x, ring_dt, ring_B, cursor, flush_rows, flush_counters,
+        *strides[:8], nheads, headdim, dstate, nheads // ngroups,
+        CAP=cap, T=T, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_SLOTS=slot_indices is not None,
+        BLOCK_P=triton.next_power_of_2(headdim), BLOCK_N=block_n,
+        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=4,
+    )
+
+
+def launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, num_slots: int):
+    """Launch one commit: ``num_accepted (batch,)`` int32/int64, ``slot_indices (batch,)`` or None."""
+    batch = num_accepted.shape[0]
+    block_r = max(16, min(1024, triton.next_power_of_2(batch)))
+    _commit_kernel[(triton.cdiv(batch, block_r),)](
+        num_accepted, slot_indices if slot_indices is not None else num_accepted, cursor, drafts, commit_errors,
+        batch, num_slots, HAS_SLOTS=slot_indices is not None, BLOCK_R=block_r, num_warps=4,
+    )
+
+
+def launch_drafts(
+    state, state_scale, intermediate, intermediate_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool,
+    slot_indices, out, *, state_format, block_p: Optional[int] = None, num_warps: Optional[int] = None,
+):
+    """Launch the per-draft-state baseline on validated arguments: ``state (slots, nheads,
+    headdim, dstate)`` and ``intermediate (batch, T_max, nheads, headdim, dstate)`` in the
+    format's storage dtype (contiguous), inputs as in :func:`launch_replay_verify`."""
+    batch, T, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    t_max = intermediate.shape[1]
+    dummy = x
+    block_n = max(32, triton.next_power_of_2(dstate))
+    config_p, _, config_warps = tile_config(state.element_size(), headdim, dstate, codec.granularity_code(state_format),
+                                            batch, nheads, x.device.type == "cuda")
+    block_p = block_p or config_p
+    num_warps = num_warps or config_warps
+    num_p_tiles = triton.cdiv(headdim, block_p)
+    z_arg = z if z is not None else dummy
+    _drafts_kernel[(nheads * num_p_tiles, batch)](
+        codec.storage_view(state, state_format), state_scale if state_scale is not None else dummy,
+        codec.storage_view(intermediate, state_format), intermediate_scale if intermediate_scale is not None else dummy,
+        x, dt, A, B, C, D if D is not None else dummy, z_arg, dt_bias if dt_bias is not None else dummy,
+        slot_indices if slot_indices is not None else dummy, out,
+        *_strides(x, dt, B, C, z, out), state.shape[0], nheads, headdim, dstate, nheads // ngroups,
+        T=T, T_MAX=t_max, DTYPE=codec.dtype_code(state_format), GRAN=codec.granularity_code(state_format),
+        QMAX=codec.qmax(state_format), EMAX=codec.emax(state_format), HW=codec.hardware_casts(x.device),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+        HAS_SLOTS=slot_indices is not None, NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+
+
+def launch_copy_accepted(src, dst, num_accepted, slot_indices, *, block: int = 4096):
+    """Copy ``src[row, accepted − 1]`` (``src (batch, T_max, ...)``) into ``dst[slot]``
+    (``dst (slots, ...)``), bit for bit, for the rows with ``accepted > 0``."""
+    batch, t_max = src.shape[0], src.shape[1]
+    per_slot = dst[0].numel()
+    if dst.element_size() < 4 and dst.shape[-1] * dst.element_size() % 4 == 0:
+        # Move whole 32-bit words: the copy is bit for bit anyway.
+        src, dst = src.view(torch.int32), dst.view(torch.int32)
+        per_slot = dst[0].numel()
+    _copy_accepted_kernel[(triton.cdiv(per_slot, block), batch)](
+        src, dst, num_accepted, slot_indices if slot_indices is not None else num_accepted, per_slot, dst.shape[0],
+        T_MAX=t_max, HAS_SLOTS=slot_indices is not None, BLOCK=block, num_warps=4,
+    )

@@ -1,0 +1,423 @@
+"""Speculative decoding (DESIGN.md §3.2) as ``torch.library`` custom ops with fake impls:
+
+* :func:`replay_verify` / :func:`replay_commit` on a :class:`~qstate.ReplayCache` allocated with
+  ``max_draft``: verify writes no state (except an early flush of committed tokens), commit is a
+  cursor move on the device;
+* the baseline serving engines use today, :func:`selective_state_update_drafts` (one state
+  written per draft token into intermediate slots) and :func:`commit_drafts` (copy the accepted
+  state into the slot).
+
+How a bad commit is reported without a host sync: on CPU tensors :func:`replay_commit` checks
+the values on the host and raises. On a GPU the commit kernel leaves a row untouched when its
+slot has no pending verify or ``num_accepted`` is outside ``0 … T`` and sets a bit in
+``cache.commit_errors``; :func:`replay_check_commits` reads that word (one sync, call it where a
+sync is cheap, e.g. outside a captured graph every few hundred steps) and raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _validate
+from ..cache import ReplayCache
+from ..formats import StateFormat
+from . import _common
+from .replay import _check_slot_indices, _inner_contiguous
+
+__all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
+           "commit_drafts"]
+
+_VERIFY_MUTATED = ("out", "checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
+                   "cursor", "generation", "drafts", "flush_rows", "flush_counters")
+
+
+@torch.library.custom_op("qstate::replay_verify", mutates_args=_VERIFY_MUTATED)
+def _replay_verify_op(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], dt_softplus: bool,
+    slot_indices: Optional[torch.Tensor], out: torch.Tensor,
+    checkpoint: torch.Tensor, checkpoint_scale: Optional[torch.Tensor], read: Optional[torch.Tensor],
+    read_scale: Optional[torch.Tensor], ring_x: torch.Tensor, ring_dt: torch.Tensor, ring_B: torch.Tensor,
+    cursor: torch.Tensor, generation: torch.Tensor, drafts: torch.Tensor, flush_rows: torch.Tensor,
+    flush_counters: torch.Tensor, checkpoint_format: str, read_format: Optional[str], seed: int,
+) -> None:
+    from ..kernels.speculative import launch_replay_verify
+
+    launch_replay_verify(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
+        checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
+        flush_rows, flush_counters, checkpoint_format=StateFormat.parse(checkpoint_format),
+        read_format=None if read_format is None else StateFormat.parse(read_format), seed=seed,
+    )
+
+
+@_replay_verify_op.register_fake
+def _replay_verify_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("qstate::replay_commit", mutates_args=("cursor", "drafts", "commit_errors"))
+def _replay_commit_op(num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor], cursor: torch.Tensor,
+                      drafts: torch.Tensor, commit_errors: torch.Tensor) -> None:
+    from ..kernels.speculative import launch_replay_commit
+
+    launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, cursor.shape[0])
+
+
+@_replay_commit_op.register_fake
+def _replay_commit_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("qstate::selective_state_update_drafts",
+                         mutates_args=("intermediate", "intermediate_scale", "out"))
+def _drafts_op(
+    state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
+    intermediate_scale: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+    B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], dt_softplus: bool, slot_indices: Optional[torch.Tensor], out: torch.Tensor,
+    state_format: str,
+) -> None:
+    from ..kernels.speculative import launch_drafts
+
+    launch_drafts(state, state_scale, intermediate, intermediate_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                  slot_indices, out, state_format=StateFormat.parse(state_format))
+
+
+@_drafts_op.register_fake
+def _drafts_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("qstate::commit_drafts", mutates_args=("state", "state_scale"))
+def _commit_drafts_op(state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
+                      intermediate_scale: Optional[torch.Tensor], num_accepted: torch.Tensor,
+                      slot_indices: Optional[torch.Tensor]) -> None:
+    from ..kernels.speculative import launch_copy_accepted
+
+    launch_copy_accepted(intermediate, state, num_accepted, slot_indices)
+    if state_scale is not None:
+        launch_copy_accepted(intermediate_scale, state_scale, num_accepted, slot_indices)
+
+
+@_commit_drafts_op.register_fake
+def _commit_drafts_fake(*args, **kwargs) -> None:
+    return None
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, *, nheads: int, headdim: int, dstate: int,
+                        ngroups: Optional[int], device: torch.device):
+    """Shapes ``x, z (batch, T, nheads, headdim)``, ``dt (batch, T, nheads)``, ``B, C (batch, T,
+    ngroups, dstate)``, ``A, D, dt_bias (nheads,)``; returns ``(batch, T, ngroups)``."""
+    _validate.tensor("x", x, ndim=4)
+    batch, T = x.shape[0], x.shape[1]
+    _validate.shape("x", x, (batch, T, nheads, headdim), "(batch, T, nheads, headdim)")
+    _validate.tensor("dt", dt, ndim=3)
+    _validate.shape("dt", dt, (batch, T, nheads), "(batch, T, nheads)")
+    _validate.tensor("B", B, ndim=4)
+    if ngroups is None:
+        ngroups = B.shape[2]
+        if ngroups < 1 or nheads % ngroups:
+            raise ValueError(f"B: nheads ({nheads}) must be a multiple of ngroups, got ngroups {ngroups}")
+    for name, t in (("B", B), ("C", C)):
+        _validate.tensor(name, t, ndim=4)
+        _validate.shape(name, t, (batch, T, ngroups, dstate), "(batch, T, ngroups, dstate)")
+    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None or name == "A":
+            _validate.tensor(name, t, ndim=1)
+            _validate.shape(name, t, (nheads,), "(nheads,)")
+    if z is not None:
+        _validate.tensor("z", z, ndim=4)
+        _validate.shape("z", z, (batch, T, nheads, headdim), "(batch, T, nheads, headdim)")
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)):
+        _common.float_input(name, t)
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected device {device} (the state's), got {t.device}")
+    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
+        if t is not None:
+            _inner_contiguous(name, t)
+    return batch, T, ngroups
+
+
+def _check_out(out, batch, T, nheads, headdim, x):
+    if out is None:
+        return torch.empty((batch, T, nheads, headdim), dtype=x.dtype, device=x.device)
+    _validate.tensor("out", out, ndim=4)
+    _validate.shape("out", out, (batch, T, nheads, headdim), "(batch, T, nheads, headdim)")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
+    if out.device != x.device:
+        raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
+    _inner_contiguous("out", out)
+    return out
+
+
+def _check_num_accepted(num_accepted, batch: int, device: torch.device) -> None:
+    if not isinstance(num_accepted, torch.Tensor):
+        raise TypeError(f"num_accepted: expected a torch.Tensor, got {type(num_accepted).__name__}")
+    if num_accepted.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"num_accepted: expected dtype torch.int32 or torch.int64, got {num_accepted.dtype}")
+    _validate.shape("num_accepted", num_accepted, (batch,), "(batch,)")
+    if num_accepted.device != device:
+        raise ValueError(f"num_accepted: expected device {device} (the cache's), got {num_accepted.device}")
+    if not num_accepted.is_contiguous():
+        raise ValueError(f"num_accepted: expected a contiguous tensor, got strides {num_accepted.stride()}")
+
+
+def _host_checks(device: torch.device) -> bool:
+    """Values are checked on the host for CPU tensors only: reading a GPU tensor would sync."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+# ------------------------------------------------------------------------------------ public ops
+
+
+def replay_verify(
+    cache: ReplayCache, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False, slot_indices: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Outputs of T draft tokens per row from replay state, without writing state (DESIGN.md §3.2).
+
+    ==================  ==============================================
+    ``x``, ``z``        ``(batch, T, nheads, headdim)``; ``x`` in ``cache.input_dtype``
+                        (it joins the ring), ``z`` any float
+    ``dt``              ``(batch, T, nheads)``, before ``dt_bias`` / softplus
+    ``A``, ``D``,       ``(nheads,)``
+    ``dt_bias``
+    ``B``               ``(batch, T, ngroups, dstate)``, ``cache.input_dtype``
+    ``C``               ``(batch, T, ngroups, dstate)``
+    ``slot_indices``    ``(batch,)`` int32/int64 (None: row i uses slot i);
+                        negative = padding (zero outputs, nothing written)
+    ``out``             ``(batch, T, nheads, headdim)``, dtype of ``x``
+    ==================  ==============================================
+
+    Draft i of a row outputs what decoding its slot's committed tokens and drafts ``0 … i`` one
+    by one would: from the read copy (or the checkpoint), the ``cursor`` committed ring tokens
+    and the drafts, causally. The drafts are appended to the ring beyond the cursor,
+    tentatively, until :func:`replay_commit`. Nothing else is written, except when the ring
+    could not hold the next round (``cursor > 0`` and ``cursor + 2T > ring_len + max_draft``):
+    then the committed tokens are first folded into the checkpoint (fp32, from the stored
+    checkpoint), the read copy is rebuilt, the cursor becomes 0 and the outputs read the new
+    read copy. The decision is taken on the device. Requires ``T ≤ cache.max_draft``; each
+    verify must be followed by a :func:`replay_commit` of the same slots (a second verify
+    replaces the pending drafts). Returns ``out``.
+    """
+    if not isinstance(cache, ReplayCache):
+        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    batch, T, _ = _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, nheads=H, headdim=P, dstate=N, ngroups=G,
+                                      device=cache.device)
+    if T < 1 or T > cache.max_draft:
+        raise ValueError(f"x: expected 1 <= T <= cache.max_draft = {cache.max_draft} draft tokens "
+                         f"(allocate the cache with max_draft), got T = {T}")
+    for name, t in (("x", x), ("B", B)):
+        if t.dtype != cache.input_dtype:
+            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
+                            f"got {t.dtype}")
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+    if slot_indices is None:
+        if batch > cache.num_slots:
+            raise ValueError(f"x: without slot_indices row i uses slot i, so batch must be <= num_slots = "
+                             f"{cache.num_slots}, got {batch}")
+    else:
+        _check_slot_indices(slot_indices, batch, cache)
+    out = _check_out(out, batch, T, H, P, x)
+    if batch == 0:
+        return out
+    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
+    if dt.stride(2) != 1:
+        dt = dt.contiguous()
+    _replay_verify_op(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
+        cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
+        cache.ring_B, cache.cursor, cache.generation, cache.drafts, cache.flush_rows, cache.flush_counters,
+        str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format), cache.seed,
+    )
+    return out
+
+
+def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor] = None) -> None:
+    """Keep the first ``num_accepted[i]`` drafts of row i's last :func:`replay_verify`.
+
+    ``num_accepted (batch,)`` int32/int64 in ``0 … T``; ``slot_indices (batch,)`` as in the
+    verify (negative = padding, untouched). The slot's cursor moves past the accepted drafts;
+    the others vanish (the next verify overwrites them). One small kernel, no host sync: it
+    records into CUDA graphs. A row whose slot has no pending verify, or whose ``num_accepted``
+    is outside ``0 … T``, is an error: on CPU tensors it raises ``ValueError`` here (and
+    nothing is changed); on a GPU that row's slot is left untouched and
+    :func:`replay_check_commits` raises.
+    """
+    if not isinstance(cache, ReplayCache):
+        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    if not isinstance(num_accepted, torch.Tensor):
+        raise TypeError(f"num_accepted: expected a torch.Tensor, got {type(num_accepted).__name__}")
+    if num_accepted.dim() != 1:
+        raise ValueError(f"num_accepted: expected shape (batch,), got {tuple(num_accepted.shape)}")
+    batch = num_accepted.shape[0]
+    _check_num_accepted(num_accepted, batch, cache.device)
+    if slot_indices is None:
+        if batch > cache.num_slots:
+            raise ValueError(f"num_accepted: without slot_indices row i uses slot i, so batch must be <= "
+                             f"num_slots = {cache.num_slots}, got {batch}")
+    else:
+        _check_slot_indices(slot_indices, batch, cache)
+    if batch == 0:
+        return
+    if _host_checks(cache.device):
+        slots = torch.arange(batch) if slot_indices is None else slot_indices.long()
+        live = slots >= 0
+        pending = cache.drafts[slots[live]].long()
+        accepted = num_accepted[live].long()
+        if bool((pending == 0).any()):
+            bad = slots[live][pending == 0].tolist()
+            raise ValueError(f"num_accepted: slots {bad} have no pending replay_verify to commit")
+        wrong = (accepted < 0) | (accepted > pending)
+        if bool(wrong.any()):
+            raise ValueError(f"num_accepted: expected values in 0 … T = {pending[wrong].tolist()} (drafts verified), "
+                             f"got {accepted[wrong].tolist()}")
+    _replay_commit_op(num_accepted, slot_indices, cache.cursor, cache.drafts, cache.commit_errors)
+
+
+def replay_check_commits(cache: ReplayCache) -> None:
+    """Raise ``ValueError`` if a commit on the device was refused since the last check (reads
+    ``cache.commit_errors``: one host sync), and clear the record."""
+    if not isinstance(cache, ReplayCache):
+        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    from ..kernels.speculative import ERROR_ACCEPTED_RANGE, ERROR_NO_VERIFY
+
+    bits = int(cache.commit_errors[0])
+    cache.commit_errors.zero_()
+    reasons = []
+    if bits & ERROR_NO_VERIFY:
+        reasons.append("a commit on a slot without a pending replay_verify")
+    if bits & ERROR_ACCEPTED_RANGE:
+        reasons.append("num_accepted outside 0 … T")
+    if reasons:
+        raise ValueError(f"replay_commit: {' and '.join(reasons)}; those rows' slots were left untouched")
+
+
+def selective_state_update_drafts(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False, state_batch_indices: Optional[torch.Tensor] = None, *,
+    intermediate: torch.Tensor, state_scale: Optional[torch.Tensor] = None,
+    intermediate_scale: Optional[torch.Tensor] = None, state_format: Optional[str] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Baseline verify: T conventional steps per row, one stored state per draft token.
+
+    ========================  ========================================================
+    ``state``                 ``(nslots, nheads, headdim, dstate)``, ``state_format``'s
+                              storage dtype, contiguous; read, never written
+    ``intermediate``          ``(batch, T_max, nheads, headdim, dstate)``, same dtype,
+                              contiguous: ``[row, t]`` gets the state after draft t
+    ``state_scale``,          fp32 scales of the two (8-bit formats): row granularity
+    ``intermediate_scale``    ``(nslots, nheads, headdim)`` / ``(batch, T_max, nheads, headdim)``
+    ``x``, ``z``, ``out``     ``(batch, T, nheads, headdim)``
+    ``dt``                    ``(batch, T, nheads)``
+    ``B``, ``C``              ``(batch, T, ngroups, dstate)``
+    ``A``, ``D``, ``dt_bias`` ``(nheads,)``
+    ``state_batch_indices``   ``(batch,)``: slot of each row; negative = padding
+    ========================  ========================================================
+
+    Each token: ``S = exp(dt·A)·S + (dt·x) ⊗ B`` in fp32, output from the unrounded ``S``,
+    ``S`` rounded to nearest-even into ``intermediate[row, t]`` and the next token continuing
+    from the stored value (T calls of :func:`qstate.selective_state_update` give the same
+    bits). Stochastic formats are not supported. Returns ``out``.
+    """
+    consts = _common.resolve_format(state_format, state)
+    if consts.stochastic:
+        raise ValueError(f"state_format: the per-draft baseline rounds to nearest-even, got '{consts.fmt}'")
+    _common.check_state(state, state_scale, consts)
+    nslots, nheads, headdim, dstate = state.shape
+    batch, T, _ = _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, nheads=nheads, headdim=headdim,
+                                      dstate=dstate, ngroups=None, device=state.device)
+    _check_intermediate(intermediate, intermediate_scale, state, consts, batch, T)
+    _check_contiguous_state(state, state_scale)
+    if state_batch_indices is not None:
+        _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
+    elif batch > nslots:
+        raise ValueError(f"x: without state_batch_indices row i uses slot i, so batch must be <= nslots = {nslots}, "
+                         f"got {batch}")
+    out = _check_out(out, batch, T, nheads, headdim, x)
+    if batch == 0:
+        return out
+    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
+    if dt.stride(2) != 1:
+        dt = dt.contiguous()
+    _drafts_op(state, state_scale, intermediate, intermediate_scale, x, dt, A, B, C, D, z, dt_bias,
+               bool(dt_softplus), state_batch_indices, out, str(consts.fmt))
+    return out
+
+
+def commit_drafts(
+    state: torch.Tensor, intermediate: torch.Tensor, num_accepted: torch.Tensor,
+    state_batch_indices: Optional[torch.Tensor] = None, *, state_scale: Optional[torch.Tensor] = None,
+    intermediate_scale: Optional[torch.Tensor] = None, state_format: Optional[str] = None,
+) -> None:
+    """Baseline commit: ``state[slot] ← intermediate[row, num_accepted − 1]`` (codes and scales)
+    for each row with ``num_accepted > 0``; rows with 0 keep their state. Shapes as in
+    :func:`selective_state_update_drafts`; ``num_accepted (batch,)`` int32/int64 in
+    ``0 … T_max`` (checked on the host for CPU tensors; on a GPU a row outside is skipped)."""
+    consts = _common.resolve_format(state_format, state)
+    _common.check_state(state, state_scale, consts)
+    batch = intermediate.shape[0] if isinstance(intermediate, torch.Tensor) and intermediate.dim() else 0
+    _check_intermediate(intermediate, intermediate_scale, state, consts, batch, 1)
+    _check_num_accepted(num_accepted, batch, state.device)
+    if state_batch_indices is not None:
+        _common.check_slot_indices(state_batch_indices, batch, state.shape[0], state.device)
+    elif batch > state.shape[0]:
+        raise ValueError(f"intermediate: without state_batch_indices row i uses slot i, so batch must be <= "
+                         f"nslots = {state.shape[0]}, got {batch}")
+    _check_contiguous_state(state, state_scale)
+    if _host_checks(state.device) and batch:
+        t_max = intermediate.shape[1]
+        lo, hi = int(num_accepted.min()), int(num_accepted.max())
+        if lo < 0 or hi > t_max:
+            raise ValueError(f"num_accepted: expected values in 0 … T_max = {t_max}, got min {lo}, max {hi}")
+    if batch == 0:
+        return
+    _commit_drafts_op(state, state_scale, intermediate, intermediate_scale, num_accepted, state_batch_indices)
+
+
+def _check_intermediate(intermediate, intermediate_scale, state, consts, batch: int, T: int) -> None:
+    _validate.tensor("intermediate", intermediate, ndim=5, floating=False)
+    t_max = intermediate.shape[1]
+    _validate.shape("intermediate", intermediate, (batch, t_max) + tuple(state.shape[1:]),
+                    "(batch, T_max, nheads, headdim, dstate)")
+    if t_max < T:
+        raise ValueError(f"intermediate: expected T_max >= T = {T}, got {t_max}")
+    if intermediate.dtype != state.dtype:
+        raise TypeError(f"intermediate: expected the state's dtype {state.dtype}, got {intermediate.dtype}")
+    if intermediate.device != state.device:
+        raise ValueError(f"intermediate: expected device {state.device} (the state's), got {intermediate.device}")
+    if not intermediate.is_contiguous():
+        raise ValueError(f"intermediate: expected a contiguous tensor, got strides {intermediate.stride()}")
+    expected = consts.fmt.scale_shape((batch * t_max,) + tuple(state.shape[1:]))
+    if expected is None:
+        if intermediate_scale is not None:
+            raise ValueError(f"intermediate_scale: state_format '{consts.fmt}' has no scale, expected None")
+        return
+    expected = (batch, t_max) + tuple(expected[1:])
+    if not isinstance(intermediate_scale, torch.Tensor):
+        raise ValueError(f"intermediate_scale: expected an fp32 tensor of shape {expected}, got "
+                         f"{type(intermediate_scale).__name__}")
+    if intermediate_scale.dtype != torch.float32:
+        raise TypeError(f"intermediate_scale: expected dtype torch.float32, got {intermediate_scale.dtype}")
+    _validate.shape("intermediate_scale", intermediate_scale, expected, "(batch, T_max, ...) scales")
+    if not intermediate_scale.is_contiguous():
+        raise ValueError(f"intermediate_scale: expected a contiguous tensor, got strides {intermediate_scale.stride()}")
+
+
+def _check_contiguous_state(state, state_scale) -> None:
+    """The kernels index a slot's codes and scales as one contiguous block."""
+    for name, t in (("state", state), ("state_scale", state_scale)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
