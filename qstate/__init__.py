@@ -21,6 +21,7 @@ from .formats import QuantizedState, StateFormat, dequantize, quantize  # noqa: 
 from .ops import selective_state_update  # noqa: E402
 from .cache import ReplayCache  # noqa: E402
 from .ops.replay import replay_decode  # noqa: E402
+from .ops.speculative import replay_check_commits, replay_commit, replay_verify  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,8 @@ __all__ = [
     "quantize",
     "reference",
     "replay_decode",
+    "replay_check_commits",
+    "replay_commit",
+    "replay_verify",
     "selective_state_update",
 ]
