@@ -134,8 +134,9 @@ def check_kernel(device, steps=3):
     flip where the reference's value lies within an ulp of a rounding boundary, and a flipped
     code moves later outputs by up to one grid step. So: the first step's output (same stored
     state for both) within 1e-5 relative RMS of decode_naive (4e-3 with bf16 outputs: one bf16
-    rounding); < 0.1 % of the final codes different (round-to-nearest formats); and the error of
-    all outputs against fp64 within 1.5× decode_naive's own (+1e-6), which also covers ``+sr``
+    rounding); < 0.1 % of the final codes different (round-to-nearest 8/16-bit formats; an fp32
+    state differs in last bits by the FMA); and the error of all outputs against fp64 within
+    1.5× decode_naive's own (+ the first-step bound), which also covers ``+sr``
     (other noise than the reference's). Returns (failures, rows of the report).
     """
     failures, report = [], []
@@ -163,10 +164,12 @@ def check_kernel(device, steps=3):
             first = rel(y[0], y_ref[0])
             first_bound = 4e-3 if input_dtype == torch.bfloat16 else 1e-5
             differing = 0.0
-            if not fmt.stochastic:
+            if (fmt.scaled or fmt.dtype in ("bf16", "fp16")) and not fmt.stochastic:
                 differing = (_bits(state) != _bits(formats.quantize(S_ref, fmt).data)).double().mean().item()
             err, err_ref = rel(y, y_exact), rel(y_ref, y_exact)
-            ok = bool(torch.isfinite(y).all()) and first < first_bound and differing < 1e-3 and err <= 1.5 * err_ref + 1e-6
+            # Outputs in bf16 add one bf16 rounding (2**-9 relative) that decode_naive's fp32 lacks.
+            ok = (bool(torch.isfinite(y).all()) and first < first_bound and differing < 1e-3
+                  and err <= 1.5 * err_ref + first_bound)
             report.append(dict(format=text, inputs=str(input_dtype).replace("torch.", ""), first_step_rel=first,
                                codes_differing=differing, err_vs_fp64=err, naive_err_vs_fp64=err_ref, ok=ok))
             if not ok:
