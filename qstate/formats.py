@@ -21,8 +21,9 @@ Number rules, which every kernel reproduces bit for bit:
    ``qmax · scale`` is finite. ``block32`` uses the MX rule instead:
    ``scale = 2**clamp(floor(log2(amax)) − emax, −126, 126 − emax)``, so values in
    ``(qmax, 2**(emax+1)) · scale`` saturate. This keeps ``quantize(dequantize(q))`` equal to
-   ``q``, which a round-up power of two does not. A zero group gets the smallest scale (``FLT_MIN``, or ``2**(−1 − emax)`` for block32) and
-   all-zero codes; an inf saturates to ``qmax · max_scale``.
+   ``q``, which a round-up power of two does not. A zero group gets the smallest scale
+   (``FLT_MIN``, or ``2**(−1 − emax)`` for block32) and all-zero codes; an inf saturates to
+   ``qmax · max_scale``.
 3. ``v = x / scale`` (one fp32 division), clamped to ``[-qmax, qmax]`` *before* rounding.
 4. ``v`` is rounded once onto the grid of the code dtype: round-to-nearest-even, or with
    ``+sr`` ``floor(v / step + u) * step`` with ``u ~ U[0, 1)`` and ``step`` the grid spacing at
