@@ -30,7 +30,7 @@ from qstate import _validate
 from qstate import profiles as _profiles
 
 from .engine import Conventional, Exact, ReplayGroup, StepInputs
-from .schemes import Scheme, parse_schemes
+from .schemes import parse_schemes
 
 __all__ = ["simulate", "DriftResult", "Summary", "STAGNATION_THRESHOLD"]
 

@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before any kernel module is imported (DESIGN.md §7
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,3 +17,13 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    # CI runs two pytest workers on two cores: one torch thread each avoids oversubscription,
+    # which slows a shared machine several-fold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from qstate import profiles
 from qstate.analysis.choose import recommend
@@ -12,14 +11,6 @@ TINY = profiles.Profile("tiny", 6, 16, 64, 2, 1)
 CANDIDATES = ["fp32", "bf16", "fp8_e4m3:row", "int8:row", "replay/fp32/8", "replay/fp32/fp8_e4m3:row/8",
               "replay/bf16/int8:row/8"]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # CI runs two pytest workers on two cores: one torch thread each avoids oversubscription.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

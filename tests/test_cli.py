@@ -3,17 +3,9 @@
 import json
 
 import pytest
-import torch
 
 from qstate.cli import main
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_models_lists_profiles(capsys):

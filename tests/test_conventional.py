@@ -152,7 +152,7 @@ def test_tied_stride_form_equals_compact_form():
 @pytest.mark.parametrize("text", ["fp32", "int8:row", "fp8_e4m3:head"])
 def test_slot_indices_padding_and_untouched_slots(text):
     fmt = formats.StateFormat.parse(text)
-    nslots, shape = 6, (6, 4, 16, 32)
+    shape = (6, 4, 16, 32)
     q = _stored(fmt, shape)
     state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
     inp = _inputs(4, 4, 16, 32, 2)

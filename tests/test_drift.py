@@ -19,14 +19,6 @@ T, BATCH, SEED = 40, 2, 3
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # CI runs two pytest workers on two cores: one torch thread each avoids oversubscription.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 def per_head_rel(a, b, dims):
     return ((a.double() - b).square().sum(dim=dims).sqrt() / b.square().sum(dim=dims).sqrt()).numpy()
 

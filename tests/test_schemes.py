@@ -12,14 +12,6 @@ NEMOTRON = profiles.get("nemotron-h-8b")
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # CI runs two pytest workers on two cores: one torch thread each avoids oversubscription.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 @pytest.mark.parametrize("text", list(DEFAULT_SCHEMES) + ["int8:block32+sr", "replay/int8:row/bf16/8"])
 def test_string_form_round_trips(text):
     scheme = Scheme.parse(text)

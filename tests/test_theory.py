@@ -13,14 +13,6 @@ DT = 0.05  # rms increment u = dt for unit-variance x and B
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # CI runs two pytest workers on two cores: one torch thread each avoids oversubscription.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 @pytest.fixture(scope="module")
 def synthetic_run():
     schemes = ["fp8_e4m3:row+sr", "int8:row+sr", "bf16+sr", "fp8_e4m3:row", "int8:row", "bf16", "fp16",

@@ -33,7 +33,7 @@ import contextvars
 import functools
 import inspect
 import sys
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
