@@ -193,6 +193,118 @@ def _replay_step_kernel(
 
 
 @triton.jit
+def _replay_step_grouped_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
+    flush_rows_ptr, flush_counters_ptr,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_y_b, stride_y_h,
+    num_slots, nheads,
+    HEADDIM: tl.constexpr, DSTATE: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+    L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
+    ``(nheads / HEADS_PER_PROG × P-tiles, batch)``: slot, cursor, the ring's dts and B, and
+    ``B_j · C`` are loaded or computed once for all the program's heads, and a pipelined loop
+    over the heads streams their state tiles and x rings (kernels/README.md, "grouped step")."""
+    chunk = tl.program_id(0) // NUM_P_TILES
+    p_tile = tl.program_id(0) % NUM_P_TILES
+    b = tl.program_id(1)
+    h0 = chunk * HEADS_PER_PROG
+    g = h0 // HEADS_PER_GROUP
+    lanes = tl.arange(0, BLOCK_H)
+    heads = h0 + lanes  # [BLOCK_H]
+    mask_h = lanes < HEADS_PER_PROG
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    mask_p = rows < HEADDIM
+    mask_n = cols < DSTATE
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int32)
+    else:
+        slot = b
+    if (slot < 0) | (slot >= num_slots):
+        # Padding outputs zeros; an index past the cache outputs NaN. Neither writes any slot.
+        bad = tl.where(slot < 0, 0.0, float("nan"))
+        y_tile = y_ptr + b * stride_y_b + heads[:, None] * stride_y_h + rows[None, :]  # [BLOCK_H, BLOCK_P]
+        tl.store(y_tile, (tl.zeros([BLOCK_H, BLOCK_P], tl.float32) + bad).to(y_tile.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_p[None, :])
+    else:
+        n = tl.load(cursor_ptr + slot)
+        full = n == L - 1
+        js = tl.arange(0, BLOCK_L)
+        older = js < n
+        current = js == n
+        dt = tl.load(dt_ptr + b * stride_dt_b + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+        if HAS_BIAS:
+            dt += tl.load(dt_bias_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)
+        if SOFTPLUS:
+            dt = _softplus(dt)
+        B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
+        ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
+        ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
+        if p_tile == 0:
+            # Appends: the program's dts, the group's B once (by the group's first program).
+            tl.store(ring_dt_ptr + ring_heads * L + n, dt, mask=mask_h)
+            if h0 % HEADS_PER_GROUP == 0:
+                tl.store(ring_B_ptr + (ring_group * L + n) * DSTATE + cols, B_t, mask=mask_n)
+            if (h0 == 0) & full:
+                position = tl.atomic_add(flush_counters_ptr, 1)
+                tl.store(flush_rows_ptr + position, b)
+                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+        if n != L - 1:
+            A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+            C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+            # Ring weights of every head of the program, and B_j · C shared by all of them.
+            dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
+                          mask=mask_h[:, None] & older[None, :], other=0.0)
+            dts = tl.where(current[None, :], dt[:, None], dts)  # [BLOCK_H, BLOCK_L]; zero after the current token
+            total = tl.sum(dts, axis=1)  # [BLOCK_H]
+            weights = tl.exp(A[:, None] * (total[:, None] - tl.cumsum(dts, axis=1))) * dts  # [BLOCK_H, BLOCK_L]
+            decay = tl.exp(A * total)  # [BLOCK_H]
+            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
+                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
+            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+            ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
+            if HAS_D:
+                D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+            tile_mask = mask_p[:, None] & mask_n[None, :]
+            for i in tl.range(0, HEADS_PER_PROG, num_stages=LOOP_STAGES):
+                h = h0 + i
+                pick = lanes == i
+                ring_head = slot.to(tl.int64) * nheads + h
+                state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask, nheads, HEADDIM,
+                                    DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+                x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
+                x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
+                                 mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+                x_t = x_t.to(tl.float32)
+                x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
+                coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
+                y_ring = tl.sum(coef[:, None] * x_ring, axis=0)  # [BLOCK_P]
+                y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * tl.sum(state * C_t[None, :], axis=1) + y_ring
+                if HAS_D:
+                    y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
+                if HAS_Z:
+                    z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + rows, mask=mask_p, other=0.0).to(tl.float32)
+                    y = y * z / (1.0 + tl.exp(-z))
+                y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
+                tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
+        else:
+            # A full row's output comes from the flush kernel: only its tokens join the ring.
+            for i in range(0, HEADS_PER_PROG):
+                h = h0 + i
+                x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                tl.store(ring_x_ptr + ((slot.to(tl.int64) * nheads + h) * L + n) * HEADDIM + rows, x_t, mask=mask_p)
+
+
+@triton.jit
 def _replay_flush_kernel(
     x_ptr, A_ptr, C_ptr, D_ptr, z_ptr, slot_ptr, y_ptr,
     ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
@@ -278,6 +390,21 @@ def _replay_flush_kernel(
         tl.store(flush_counters_ptr + 1, 0)
 
 
+# Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program (the
+# kernel measured in bench/README.md); k >= 1 = the grouped kernel with up to k heads per program.
+DEFAULT_HEADS_PER_PROGRAM = 0
+GROUPED_WARPS = 4
+GROUPED_STAGES = 2
+
+
+def grouped_heads_per_program(requested: int, heads_per_group: int) -> int:
+    """Heads per program of the grouped step kernel: the largest divisor of ``heads_per_group``
+    that is at most ``requested``, so that every program's heads share one group."""
+    if requested < 1:
+        raise ValueError(f"heads_per_program: expected an int >= 1 for the grouped kernel, got {requested}")
+    return max(d for d in range(1, min(requested, heads_per_group) + 1) if heads_per_group % d == 0)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -289,11 +416,15 @@ def launch_replay_decode(
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
     flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
     step_block_p: Optional[int] = None, step_warps: Optional[int] = None,
+    heads_per_program: Optional[int] = None, step_stages: Optional[int] = None,
 ):
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
     stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s.
-    ``step_block_p`` / ``step_warps`` override the step kernel's tile height and warps (tuning)."""
+    ``heads_per_program`` picks the step kernel (None: ``DEFAULT_HEADS_PER_PROGRAM``; 0: one
+    head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
+    that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
+    kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
     batch, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     L = ring_x.shape[2]
@@ -303,25 +434,42 @@ def launch_replay_decode(
     state_fmt = read_format if has_read else checkpoint_format
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     block_n = max(32, triton.next_power_of_2(dstate))
-    # 32-row tiles with 2 warps were fastest for fp32 and fp8 states in the H200 sweep
-    # (bench/README.md, "Replay decode").
-    block_p = step_block_p or min(triton.next_power_of_2(headdim), 32)
-    num_p_tiles = triton.cdiv(headdim, block_p)
     block_l = max(2, triton.next_power_of_2(L))
     z_arg = z if z is not None else dummy
     common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw)
     slots_arg = slot_indices if slot_indices is not None else dummy
-    _replay_step_kernel[(nheads * num_p_tiles, batch)](
+    step_args = (
         x, dt, A, B, C, D if D is not None else dummy, z_arg, dt_bias if dt_bias is not None else dummy,
         slots_arg, out, codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z_arg.stride(0), z_arg.stride(1), out.stride(0), out.stride(1),
-        checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
-        L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
-        HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), NUM_P_TILES=num_p_tiles,
-        BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or 2, **common,
     )
+    step_flags = dict(L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
+                      HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), BLOCK_L=block_l, **common)
+    heads_per_group = nheads // ngroups
+    if heads_per_program is None:
+        heads_per_program = DEFAULT_HEADS_PER_PROGRAM
+    if heads_per_program:
+        per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
+        block_p = step_block_p or triton.next_power_of_2(headdim)
+        num_p_tiles = triton.cdiv(headdim, block_p)
+        _replay_step_grouped_kernel[(nheads // per_program * num_p_tiles, batch)](
+            *step_args, checkpoint.shape[0], nheads,
+            HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
+            HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
+            BLOCK_H=max(2, triton.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
+            num_warps=step_warps or GROUPED_WARPS, **step_flags,
+        )
+    else:
+        # 32-row tiles with 2 warps were fastest for fp32 and fp8 states in the H200 sweep
+        # (bench/README.md, "Replay decode").
+        block_p = step_block_p or min(triton.next_power_of_2(headdim), 32)
+        num_p_tiles = triton.cdiv(headdim, block_p)
+        _replay_step_kernel[(nheads * num_p_tiles, batch)](
+            *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
+            NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or 2, **step_flags,
+        )
     # Flush tiles of a few rows keep registers low, so many programs are resident and enough
     # bytes are in flight; a per-head scale needs the whole head in one tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)

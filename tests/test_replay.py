@@ -21,6 +21,7 @@ and ``κ_y = κ_fold + dstate + 6`` (the dot with C over dstate, D·x and the ga
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -31,11 +32,29 @@ from hypothesis import strategies as st
 from qstate import reference
 from qstate.cache import ReplayCache
 from qstate.formats import DTYPES, QuantizedState, StateFormat, dequantize, quantize
+from qstate.kernels import replay as replay_kernels
 from qstate.ops.replay import replay_decode
 
 U = 2.0 ** -24
 CHECKPOINTS = ["fp32", "bf16", "bf16+sr", "fp16", "fp16+sr", "int8:row", "fp8_e4m3:row"]
 READS = [None, "bf16", "fp16", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head", "fp8_e4m3:block32"]
+# Step kernels: one head per program, and the grouped kernel with 2 heads per program (several
+# programs per group when a group has more heads) or up to 8 in 32-row P-tiles (several tiles
+# when headdim > 32, one whole group per program in these shapes).
+STEP_KERNELS = {
+    "per-head": dict(heads_per_program=0),
+    "grouped-h2": dict(heads_per_program=2),
+    "grouped-h8-p32": dict(heads_per_program=8, step_block_p=32),
+}
+
+
+@pytest.fixture(params=list(STEP_KERNELS))
+def step_kernel(request, monkeypatch):
+    """Run the test's replay_decode calls through one step kernel (the launcher is looked up at
+    each call, so patching the module routes the public function)."""
+    launch = functools.partial(replay_kernels.launch_replay_decode, **STEP_KERNELS[request.param])
+    monkeypatch.setattr(replay_kernels, "launch_replay_decode", launch)
+    return request.param
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -246,8 +265,30 @@ def test_every_checkpoint_and_read_format_over_flush_cycles(checkpoint, read):
     assert cache.cursor.tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("checkpoint,read", [
+    ("fp32", None), ("fp32", "fp8_e4m3:row"), ("fp32", "int8:row"), ("fp32", "fp8_e5m2:row"),
+    ("int8:row", "fp8_e4m3:row"), ("bf16+sr", "int8:head"), ("fp8_e4m3:row", "fp8_e4m3:block32"), ("fp16", "bf16"),
+])
+def test_grouped_step_kernel_formats_over_flush_cycles(checkpoint, read, monkeypatch):
+    """The grouped step kernel, two programs per group (4 heads per group, 2 per program)."""
+    launch = functools.partial(replay_kernels.launch_replay_decode, heads_per_program=2)
+    monkeypatch.setattr(replay_kernels, "launch_replay_decode", launch)
+    shape = dict(batch=2, nheads=4, headdim=4, dstate=32, ngroups=1)
+    cache = new_cache(**shape, ring_len=2, checkpoint=checkpoint, read=read)
+    inp = make_inputs(5, *shape.values(), seed=4)
+    shadow = run(cache, inp, 5, states=random_states(4, 4, 32))
+    assert shadow.checks == 10
+    assert cache.cursor.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("requested,heads_per_group,expected", [
+    (8, 16, 8), (8, 6, 6), (4, 6, 3), (16, 16, 16), (8, 3, 3), (2, 3, 1), (1, 7, 1), (5, 8, 4)])
+def test_grouped_heads_per_program_divides_the_group(requested, heads_per_group, expected):
+    assert replay_kernels.grouped_heads_per_program(requested, heads_per_group) == expected
+
+
 @pytest.mark.parametrize("ring_len", [1, 4, 16, 32])
-def test_ring_lengths(ring_len):
+def test_ring_lengths(ring_len, step_kernel):
     shape = dict(batch=1, nheads=2, headdim=4, dstate=32, ngroups=1)
     T = ring_len + 2 if ring_len > 4 else 2 * ring_len + 1
     cache = new_cache(**shape, ring_len=ring_len, read="fp8_e4m3:row")
@@ -260,22 +301,23 @@ def test_ring_lengths(ring_len):
     (6, 80, 96, 2, "fp8_e4m3:row"),
     (8, 8, 32, 8, "int8:head"),
     (6, 8, 96, 1, "fp8_e4m3:block32"),
+    (8, 8, 32, 2, "fp8_e4m3:row"),
 ])
-def test_odd_shapes(nheads, headdim, dstate, ngroups, read):
+def test_odd_shapes(nheads, headdim, dstate, ngroups, read, step_kernel):
     shape = dict(batch=2, nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups)
     cache = new_cache(**shape, ring_len=2, read=read)
     inp = make_inputs(3, *shape.values(), seed=5)
     run(cache, inp, 3, states=random_states(nheads, headdim, dstate))
 
 
-def test_bf16_inputs():
+def test_bf16_inputs(step_kernel):
     shape = dict(batch=2, nheads=2, headdim=8, dstate=32, ngroups=2)
     cache = new_cache(**shape, ring_len=2, read="fp8_e4m3:row", dtype=torch.bfloat16)
     inp = make_inputs(3, *shape.values(), seed=6, dtype=torch.bfloat16)
     run(cache, inp, 3, states=random_states(2, 8, 32))
 
 
-def test_slot_indices_padding_and_interleaved_admissions():
+def test_slot_indices_padding_and_interleaved_admissions(step_kernel):
     """Rows map to different slots each step, one row is padding, and slots are re-admitted
     mid-stream, so slots sit at different ring positions; each follows its own reference."""
     shape = dict(batch=3, nheads=2, headdim=4, dstate=32, ngroups=1)
@@ -296,7 +338,7 @@ def test_slot_indices_padding_and_interleaved_admissions():
     assert cache.flush_counters.tolist() == [0, 0]
 
 
-def test_nan_in_one_row_stays_in_its_slot():
+def test_nan_in_one_row_stays_in_its_slot(step_kernel):
     shape = dict(batch=3, nheads=2, headdim=4, dstate=32, ngroups=1)
     inp = make_inputs(4, *shape.values(), seed=8)
     poisoned = {k: v.clone() for k, v in inp.items()}
@@ -318,7 +360,7 @@ def test_nan_in_one_row_stays_in_its_slot():
         assert torch.equal(caches[0].read[row], caches[1].read[row])
 
 
-def test_materialize_equals_exact_state():
+def test_materialize_equals_exact_state(step_kernel):
     """fp32 checkpoint: the folded state equals decode_exact's within fp32 rounding.
 
     Each of the k flushes and the final fold adds at most κ_fold·u·M (M: the exact recurrence
@@ -342,7 +384,7 @@ def test_materialize_equals_exact_state():
     assert torch.all((got - exact).abs() <= bound)
 
 
-def test_cuda_graph_free_bookkeeping_leaves_no_host_state():
+def test_cuda_graph_free_bookkeeping_leaves_no_host_state(step_kernel):
     """The flush list is emptied on the device after every call, whatever the rows did."""
     shape = dict(batch=2, nheads=2, headdim=4, dstate=32, ngroups=1)
     cache = new_cache(**shape, ring_len=2)
