@@ -26,6 +26,9 @@ In-kernel functions:
 
 * ``uniform(seed, counter) -> fp32``: u in [0, 1), a multiple of 2**-24, from the counter-based
   Philox stream ``tl.randint(seed, counter)``; ``counter`` is the element's position (int32).
+* ``uniform4(seed, counter, N_ROUNDS=10) -> fp32``: the same kind of u from one Philox call per
+  four elements (``tl.randint4x``): ``counter`` is ``[R, K]`` and the result ``[R, 4K]``, column
+  ``4k + i`` taking word ``i`` of counter ``k``'s draw. Another stream than ``uniform``'s.
 * ``reciprocal_rn(s) -> fp32``: ``1 / s`` correctly rounded (per scale group, for ``divide_rn``).
 * ``divide_rn(x, s, s_recip, HW) -> fp32``: ``x / s`` correctly rounded. ``HW``: one multiply and
   two FMAs with ``s_recip = reciprocal_rn(s)`` (Markstein's correction); else ``tl.div_rn``.
@@ -100,6 +103,15 @@ def emax(fmt) -> int:
 def uniform(seed, counter):
     # The top 24 of 32 random bits: exact in fp32, so 1 - u is exact too (needed by round_sr).
     bits = tl.randint(seed, counter)
+    return (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def uniform4(seed, counter, N_ROUNDS: tl.constexpr = 10):
+    w0, w1, w2, w3 = tl.randint4x(seed, counter, N_ROUNDS)
+    # join(join(w0, w2), join(w1, w3))[r, k, b, a] is word 2b + a: row-major order puts it at 4k + 2b + a.
+    interleaved = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [R, K, 2, 2]
+    bits = tl.reshape(interleaved, [counter.shape[0], counter.shape[1] * 4])
     return (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08
 
 

@@ -19,7 +19,7 @@ def _quantize_heads_kernel(
     x_ptr, codes_ptr, scale_ptr, noise_ptr, values_ptr, seed,
     headdim, dstate,
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr, EMAX: tl.constexpr,
-    HW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
 ):
     head = tl.program_id(0)
     rows = tl.arange(0, BLOCK_P)
@@ -28,7 +28,12 @@ def _quantize_heads_kernel(
     offsets = head * headdim * dstate + rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     if STOCHASTIC:
-        u = codec.uniform(seed, offsets)
+        if SR_STREAM == 0:
+            u = codec.uniform(seed, offsets)
+        else:
+            quads = tl.arange(0, BLOCK_N // 4)
+            counter = (head * headdim + rows[:, None]) * ((dstate + 3) // 4) + quads[None, :]  # [BLOCK_P, BLOCK_N // 4]
+            u = codec.uniform4(seed, counter, SR_ROUNDS)
         tl.store(noise_ptr + offsets, u, mask=mask)
     else:
         u = 0.0
@@ -66,12 +71,16 @@ def _quantize_heads_kernel(
     tl.store(values_ptr + offsets, values, mask=mask)
 
 
-def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None):
+def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, sr_stream: int = 0,
+                   sr_rounds: int = 10):
     """Quantize fp32 ``x (groups, headdim, dstate)`` in ``fmt`` (a StateFormat) with the codec.
 
     Returns ``(codes, scale, noise, values)``: codes in ``fmt.storage_dtype``, scale shaped
     ``fmt.scale_shape(x.shape)`` (None if unscaled), the uniform noise used (None unless
     ``+sr``) and the dequantized values. ``hardware_casts`` defaults to the device's.
+    ``sr_stream``/``sr_rounds``: the noise stream, as the conventional kernel's ``Variant`` names it
+    (0: :func:`codec.uniform` keyed by the element's position; 1: :func:`codec.uniform4` keyed by
+    ``(group·headdim + row)·ceil(dstate/4) + col // 4``).
     """
     groups, headdim, dstate = x.shape
     x = x.contiguous().float()
@@ -85,6 +94,6 @@ def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None):
         x, codec.storage_view(codes, fmt), scale, noise, values, seed, headdim, dstate,
         DTYPE=codec.dtype_code(fmt), GRAN=codec.granularity_code(fmt), STOCHASTIC=fmt.stochastic,
         QMAX=codec.qmax(fmt), EMAX=codec.emax(fmt), HW=hw, BLOCK_P=triton.next_power_of_2(headdim),
-        BLOCK_N=max(32, triton.next_power_of_2(dstate)),
+        BLOCK_N=max(32, triton.next_power_of_2(dstate)), SR_STREAM=sr_stream, SR_ROUNDS=sr_rounds,
     )
     return codes, (scale if scale_shape is not None else None), (noise if fmt.stochastic else None), values

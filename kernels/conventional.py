@@ -14,6 +14,9 @@ for CPU tensors) outputs NaN and touches no slot.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +39,151 @@ def _softplus(v):
 
 
 @triton.jit
+def _load(pointers, mask, other):
+    # mask None: an unmasked access (EVEN tiles), so nothing per element limits the vector width.
+    if mask is None:
+        values = tl.load(pointers)
+    else:
+        values = tl.load(pointers, mask=mask, other=other)
+    return values
+
+
+@triton.jit
+def _store(pointers, values, mask):
+    if mask is None:
+        tl.store(pointers, values)
+    else:
+        tl.store(pointers, values, mask=mask)
+
+
+@triton.jit
+def _and(mask, extra):
+    if mask is None:
+        combined = extra
+    else:
+        combined = mask & extra
+    return combined
+
+
+@triton.jit
+def _store_output(out_ptr, y, batch_row, head, rows, mask, s_out_batch, s_out_head,
+                  OUT_DTYPE: tl.constexpr, HW: tl.constexpr):
+    out_rows = out_ptr + batch_row * s_out_batch + head * s_out_head + rows
+    if OUT_DTYPE == 1:
+        tl.store(out_rows, codec.encode(y, 0.0, 1, False, HW), mask=mask)
+    else:
+        tl.store(out_rows, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_head(
+    state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head, batch_row, rows, cols, row_mask,
+    tile_mask, scale_mask, block_mask,
+    s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row,
+    s_x_batch, s_x_head, s_dt_batch, s_dt_head, s_z_batch, s_z_head,
+    GRAN: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The loads of one head, raw (codes, old scales, dt, x, z): nothing waits on them here, so
+    loading the next head before updating this one overlaps the two."""
+    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
+    codes = _load(state_tile, tile_mask, 0)  # [BLOCK_P, BLOCK_N]
+    if GRAN != 0:
+        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
+    if GRAN == 1:
+        old_scale = _load(scale_base + rows * s_scale_row, scale_mask, 0.0)  # [BLOCK_P]
+    elif GRAN == 2:
+        old_scale = _load(scale_base + rows * 0, scale_mask, 0.0)  # [BLOCK_P], one value
+    elif GRAN == 3:
+        block_ids = tl.arange(0, BLOCK_N // 32)
+        old_scale = _load(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], block_mask, 0.0)  # [BLOCK_P, NB]
+    else:
+        old_scale = tl.zeros([BLOCK_P], tl.float32)
+    dt = tl.load(dt_ptr + batch_row * s_dt_batch + head * s_dt_head)
+    x = tl.load(x_ptr + batch_row * s_x_batch + head * s_x_head + rows, mask=row_mask, other=0.0)
+    if HAS_Z:
+        z = tl.load(z_ptr + batch_row * s_z_batch + head * s_z_head + rows, mask=row_mask, other=0.0)
+    else:
+        z = tl.zeros([BLOCK_P], tl.float32)
+    return codes, old_scale, dt, x, z
+
+
+@triton.jit
+def _update_head(
+    codes, old_scale, dt, x, z, B, C, seed,
+    state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+    slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
+    tile_mask, scale_mask, block_mask,
+    s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
+    DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
+    NB: tl.constexpr = BLOCK_N // 32
+    values = codec.decode(codes, DTYPE, HW)  # [BLOCK_P, BLOCK_N]
+    if GRAN == 1 or GRAN == 2:
+        values = values * old_scale[:, None]
+    elif GRAN == 3:
+        values = values * tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+
+    dt = dt.to(tl.float32)
+    if HAS_BIAS:
+        dt = dt + tl.load(dt_bias_ptr + head).to(tl.float32)
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
+    x = x.to(tl.float32)
+
+    new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
+
+    y = tl.sum(new_state * C[None, :], axis=1)  # [BLOCK_P]
+    if HAS_D:
+        y = y + tl.load(D_ptr + head).to(tl.float32) * x
+    if HAS_Z:
+        z = z.to(tl.float32)
+        y = y * z * (1.0 / (1.0 + tl.exp(-z)))
+    y = tl.where(live_rows, y, tl.where(is_padding, 0.0, float("nan")))
+    _store_output(out_ptr, y, batch_row, head, rows, row_mask, s_out_batch, s_out_head, OUT_DTYPE, HW)
+
+    if STOCHASTIC:
+        element_rows = (slot * nheads + head) * headdim + rows  # [BLOCK_P]
+        if SR_STREAM == 0:
+            u = codec.uniform(seed, (element_rows[:, None] * dstate + cols[None, :]).to(tl.int32))
+        else:
+            quads = tl.arange(0, BLOCK_N // 4)
+            counter = (element_rows[:, None] * ((dstate + 3) // 4) + quads[None, :]).to(tl.int32)
+            u = codec.uniform4(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
+    else:
+        u = 0.0
+    if GRAN != 0:
+        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
+    if DTYPE == 0:
+        codes = new_state
+    elif GRAN == 0:
+        codes = codec.encode(codec.saturate(new_state, QMAX), u, DTYPE, STOCHASTIC, HW)
+    else:
+        magnitude = tl.abs(new_state)
+        if GRAN == 1:
+            scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
+            _store(scale_base + rows * s_scale_row, scale, scale_mask)
+            scale_tile = scale[:, None]
+        elif GRAN == 2:
+            scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
+            tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale, mask=_and(scale_mask, rows == 0))
+            scale_tile = scale
+        else:
+            scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX, GRAN)
+            block_ids = tl.arange(0, NB)
+            _store(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], scale, block_mask)
+            scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+        scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
+        codes = codec.encode(codec.saturate(scaled, QMAX), u, DTYPE, STOCHASTIC, HW)
+    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
+    _store(state_tile, codes, tile_mask)
+
+
+@triton.jit
 def _conventional_kernel(
     state_ptr, scale_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr,
     slot_ptr, out_ptr, seed_ptr, seed,
@@ -49,11 +197,13 @@ def _conventional_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr, HEADS_PER_PROG: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
 ):
     p_block = tl.program_id(0)
-    head = tl.program_id(1)
+    head0 = tl.program_id(1) * HEADS_PER_PROG
     batch_row = tl.program_id(2)
-    nheads = tl.num_programs(1)
+    nheads = tl.num_programs(1) * HEADS_PER_PROG
 
     if HAS_SLOTS:
         slot = tl.load(slot_ptr + batch_row).to(tl.int64)
@@ -67,82 +217,95 @@ def _conventional_kernel(
     row_mask = rows < headdim
     live_rows = row_mask & (slot_rows >= 0) & (slot_rows != pad_slot_id) & (slot_rows < nslots)
     col_mask = cols < dstate
-    tile_mask = live_rows[:, None] & col_mask[None, :]  # [BLOCK_P, BLOCK_N]
 
-    dt = tl.load(dt_ptr + batch_row * s_dt_batch + head * s_dt_head).to(tl.float32)
-    if HAS_BIAS:
-        dt = dt + tl.load(dt_bias_ptr + head).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = _softplus(dt)
-    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
-
-    group = head // heads_per_group
-    x = tl.load(x_ptr + batch_row * s_x_batch + head * s_x_head + rows, mask=row_mask, other=0.0).to(tl.float32)
+    # Heads of one program share a group (the launcher makes HEADS_PER_PROG divide heads_per_group).
+    group = head0 // heads_per_group
     B = tl.load(B_ptr + batch_row * s_B_batch + group * s_B_group + cols, mask=col_mask, other=0.0).to(tl.float32)
     C = tl.load(C_ptr + batch_row * s_C_batch + group * s_C_group + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if STOCHASTIC and SEED_FROM_PTR:
+        seed = tl.load(seed_ptr)
 
-    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
-    values = codec.decode(tl.load(state_tile, mask=tile_mask, other=0), DTYPE, HW)  # [BLOCK_P, BLOCK_N]
-    NB: tl.constexpr = BLOCK_N // 32
-    if GRAN != 0:
-        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
-    if GRAN == 1:
-        old_scale = tl.load(scale_base + rows * s_scale_row, mask=live_rows, other=0.0)
-        values = values * old_scale[:, None]
-    elif GRAN == 2:
-        old_scale = tl.load(scale_base + rows * 0, mask=live_rows, other=0.0)  # [BLOCK_P], one value
-        values = values * old_scale[:, None]
-    elif GRAN == 3:
-        block_ids = tl.arange(0, NB)
-        block_mask = live_rows[:, None] & (block_ids[None, :] < dstate // 32)
-        block_scales = scale_base + rows[:, None] * s_scale_row + block_ids[None, :]
-        old_scale = tl.load(block_scales, mask=block_mask, other=0.0)  # [BLOCK_P, NB]
-        old_tile = tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
-        values = values * old_tile
-
-    new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
-
-    y = tl.sum(new_state * C[None, :], axis=1)  # [BLOCK_P]
-    if HAS_D:
-        y = y + tl.load(D_ptr + head).to(tl.float32) * x
-    if HAS_Z:
-        z = tl.load(z_ptr + batch_row * s_z_batch + head * s_z_head + rows, mask=row_mask, other=0.0).to(tl.float32)
-        y = y * z * (1.0 / (1.0 + tl.exp(-z)))
-    y = tl.where(live_rows, y, tl.where(is_padding, 0.0, float("nan")))
-    out_rows = out_ptr + batch_row * s_out_batch + head * s_out_head + rows
-    if OUT_DTYPE == 1:
-        tl.store(out_rows, codec.encode(y, 0.0, 1, False, HW), mask=row_mask)
+    if EVEN:
+        # Whole tiles: no per-element masks. A padded or out-of-range row writes its output here
+        # and skips the state work at program level instead.
+        tile_mask = None
+        scale_mask = None
+        block_mask = None
+        dead_rows = row_mask & ((slot_rows < 0) | (slot_rows == pad_slot_id) | (slot_rows >= nslots))
+        for i in tl.static_range(HEADS_PER_PROG):
+            _store_output(out_ptr, tl.where(is_padding, 0.0, float("nan")), batch_row, head0 + i, rows, dead_rows,
+                          s_out_batch, s_out_head, OUT_DTYPE, HW)
+        run = (slot >= 0) & (slot != pad_slot_id) & (slot < nslots)
     else:
-        tl.store(out_rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tile_mask = live_rows[:, None] & col_mask[None, :]  # [BLOCK_P, BLOCK_N]
+        scale_mask = live_rows
+        block_mask = live_rows[:, None] & (tl.arange(0, BLOCK_N // 32)[None, :] < dstate // 32)
+        run = True
 
-    if STOCHASTIC:
-        if SEED_FROM_PTR:
-            seed = tl.load(seed_ptr)
-        counter = (((slot * nheads + head) * headdim + rows[:, None]) * dstate + cols[None, :]).to(tl.int32)
-        u = codec.uniform(seed, counter)
-    else:
-        u = 0.0
-    if DTYPE == 0:
-        codes = new_state
-    elif GRAN == 0:
-        codes = codec.encode(codec.saturate(new_state, QMAX), u, DTYPE, STOCHASTIC, HW)
-    else:
-        magnitude = tl.abs(new_state)
-        if GRAN == 1:
-            scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
-            tl.store(scale_base + rows * s_scale_row, scale, mask=live_rows)
-            scale_tile = scale[:, None]
-        elif GRAN == 2:
-            scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
-            tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale, mask=live_rows & (rows == 0))
-            scale_tile = scale
+    if run:
+        if HEADS_PER_PROG == 1 or not PREFETCH:
+            for i in tl.range(0, HEADS_PER_PROG, num_stages=NUM_STAGES):
+                head = head0 + i
+                codes, old_scale, dt, x, z = _load_head(
+                    state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head, batch_row, rows, cols, row_mask,
+                    tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
+                    s_scale_slot, s_scale_head, s_scale_row, s_x_batch, s_x_head, s_dt_batch, s_dt_head,
+                    s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
+                _update_head(
+                    codes, old_scale, dt, x, z, B, C, seed, state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+                    slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
+                    tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
+                    s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
+                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
+                    SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
         else:
-            scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX, GRAN)
-            tl.store(block_scales, scale, mask=block_mask)
-            scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
-        scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
-        codes = codec.encode(codec.saturate(scaled, QMAX), u, DTYPE, STOCHASTIC, HW)
-    tl.store(state_tile, codes, mask=tile_mask)
+            codes, old_scale, dt, x, z = _load_head(
+                state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head0, batch_row, rows, cols, row_mask,
+                tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
+                s_scale_slot, s_scale_head, s_scale_row, s_x_batch, s_x_head, s_dt_batch, s_dt_head,
+                s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
+            for i in tl.range(0, HEADS_PER_PROG, num_stages=NUM_STAGES):
+                # Issue the next head's loads before this head's update; after the last head the
+                # state loads are masked off (the small loads re-read head0, in bounds).
+                ahead = (tl.zeros([BLOCK_P], tl.int32) + i + 1) < HEADS_PER_PROG  # [BLOCK_P]
+                next_codes, next_scale, next_dt, next_x, next_z = _load_head(
+                    state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head0 + (i + 1) % HEADS_PER_PROG, batch_row,
+                    rows, cols, row_mask, _and(tile_mask, ahead[:, None]), _and(scale_mask, ahead),
+                    _and(block_mask, ahead[:, None]), s_state_slot, s_state_head, s_state_row,
+                    s_scale_slot, s_scale_head, s_scale_row, s_x_batch, s_x_head, s_dt_batch, s_dt_head,
+                    s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
+                _update_head(
+                    codes, old_scale, dt, x, z, B, C, seed, state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+                    slot, head0 + i, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
+                    tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
+                    s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
+                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
+                    SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
+                codes, old_scale, dt, x, z = next_codes, next_scale, next_dt, next_x, next_z
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Code-path choices of the kernel (kernels/README.md), timed by ``bench.run_gpu --sweep``.
+
+    ``even``: unmasked state tiles when ``headdim % BLOCK_P == 0`` and ``dstate == BLOCK_N``
+    (else ignored). ``heads_per_prog``: heads of one group per program, a loop (reduced to the
+    largest power of two dividing heads_per_group). ``num_stages``: the compiler's software
+    pipelining of that loop. ``prefetch``: load the next head before updating this one.
+    ``sr_stream``: 0 = one Philox draw per element (:func:`codec.uniform`), 1 = one per four
+    (:func:`codec.uniform4`, ``sr_rounds`` rounds); a different noise stream.
+    """
+
+    even: bool = False
+    heads_per_prog: int = 1
+    num_stages: int = 1
+    prefetch: bool = False
+    sr_stream: int = 0
+    sr_rounds: int = 10
+
+
+# The variant the launcher runs, by state bytes per element; flip entries to a sweep's winner.
+DEFAULT_VARIANTS = {4: Variant(), 2: Variant(), 1: Variant()}
 
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
@@ -171,7 +334,7 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
 def launch(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
-    dt_softplus: bool, pad_slot_id: int, heads_per_group: int, block_p=None, num_warps=None,
+    dt_softplus: bool, pad_slot_id: int, heads_per_group: int, block_p=None, num_warps=None, variant=None,
 ):
     """Launch the kernel on validated compact arguments.
 
@@ -180,6 +343,7 @@ def launch(
     tensor when unscaled); ``x, z, out (batch, nheads, headdim)`` with unit inner stride;
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
+    ``variant``: a :class:`Variant` (default ``DEFAULT_VARIANTS[state.element_size()]``).
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
@@ -194,7 +358,10 @@ def launch(
         scale_strides = (state_scale.stride(0), state_scale.stride(1), state_scale.stride(2))
     out_code = OUT_BF16 if out.dtype == torch.bfloat16 else OUT_FP16 if out.dtype == torch.float16 else OUT_FP32
     out_view = out.view(torch.int16) if out_code == OUT_BF16 else out
-    grid = (triton.cdiv(headdim, block_p), nheads, batch)
+    variant = variant or DEFAULT_VARIANTS[state.element_size()]
+    even = variant.even and headdim % block_p == 0 and dstate == block_n
+    heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
+    grid = (triton.cdiv(headdim, block_p), nheads // heads_per_prog, batch)
     _conventional_kernel[grid](
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out_view, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,
@@ -205,5 +372,6 @@ def launch(
         HW=codec.hardware_casts(state.device), HAS_D=D is not None, HAS_Z=z is not None,
         HAS_BIAS=dt_bias is not None, HAS_SLOTS=slot_indices is not None, DT_SOFTPLUS=dt_softplus,
         SEED_FROM_PTR=seed_tensor is not None, OUT_DTYPE=out_code, BLOCK_P=block_p, BLOCK_N=block_n,
-        num_warps=num_warps,
+        EVEN=even, HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
+        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, num_warps=num_warps,
     )

@@ -5,6 +5,7 @@ exact-arithmetic paths (``hardware_casts=False``); ``bench/run_gpu.py`` repeats 
 with and without the GPU's conversion instructions.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +83,48 @@ def test_noise_is_a_24_bit_uniform_stream_keyed_by_seed_and_position():
     assert noise_a.min() >= 0 and noise_a.max() < 1
     assert torch.equal(noise_a * 2**24, torch.floor(noise_a * 2**24))
     assert abs(noise_a.mean().item() - 0.5) < 0.02  # 4096 draws: sd of the mean 0.0045
+
+
+def _philox4x32(seed: int, counters: np.ndarray, rounds: int) -> np.ndarray:
+    """Philox4x32 (Salmon et al. 2011) of counters ``(c, 0, 0, 0)`` and key ``(seed, 0)``: ``(n, 4)`` uint32."""
+    mask = np.uint64(0xFFFFFFFF)
+    c = [counters.astype(np.uint64), *(np.zeros_like(counters, dtype=np.uint64) for _ in range(3))]
+    k0, k1 = np.uint64(seed), np.uint64(0)
+    for _ in range(rounds):
+        p0, p2 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [((p2 >> np.uint64(32)) ^ c[1] ^ k0) & mask, p2 & mask, ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & mask,
+             p0 & mask]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return np.stack(c, axis=-1).astype(np.uint32)
+
+
+@pytest.mark.parametrize("sr_stream,rounds", [(0, 10), (1, 10), (1, 7)])
+def test_noise_streams_are_the_documented_philox_words(sr_stream, rounds):
+    """Stream 0: word 0 of the draw at the element's position. Stream 1: column 4k + i of row r
+    takes word i of the draw at r·ceil(dstate/4) + k (dstate 42: the last quad is partial)."""
+    groups, headdim, dstate, seed = 2, 3, 42, 99
+    fmt = formats.StateFormat.parse("int8:row+sr")
+    noise = codec_probe.quantize_heads(torch.zeros(groups, headdim, dstate), fmt, seed=seed, hardware_casts=False,
+                                       sr_stream=sr_stream, sr_rounds=rounds)[2]
+    row = np.arange(groups * headdim)[:, None]
+    col = np.arange(dstate)[None, :]
+    if sr_stream == 0:
+        words = _philox4x32(seed, (row * dstate + col).ravel(), rounds)[:, 0]
+    else:
+        quads = -(-dstate // 4)
+        draws = _philox4x32(seed, (row * quads + col // 4).ravel(), rounds)
+        words = draws[np.arange(draws.shape[0]), np.broadcast_to(col % 4, (groups * headdim, dstate)).ravel()]
+    expected = torch.from_numpy((words >> 8).astype(np.float32) * 2.0**-24).reshape(groups, headdim, dstate)
+    assert torch.equal(noise, expected)
+
+
+@pytest.mark.parametrize("text", ["fp16+sr", "bf16+sr", "int8:row+sr", "fp8_e4m3:head+sr", "fp8_e5m2:block32+sr"])
+def test_codec_with_four_word_noise_matches_formats(text):
+    fmt = formats.StateFormat.parse(text)
+    x = _inputs(fmt, 0)
+    codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=77, hardware_casts=False, sr_stream=1)
+    expected = formats.quantize(x, fmt, noise=noise)
+    assert torch.equal(_bits(codes), _bits(expected.data))
+    if fmt.scaled:
+        assert torch.equal(_bits(scale), _bits(expected.scale))
+    assert noise.min() >= 0 and noise.max() < 1 and abs(noise.mean().item() - 0.5) < 0.03

@@ -18,7 +18,7 @@ import torch
 
 import qstate
 from qstate import formats, reference
-from qstate.kernels import codec_probe
+from qstate.kernels import codec, codec_probe, conventional
 
 SCALED_FORMATS = [f"{d}:{g}" for d in ("int8", "fp8_e4m3", "fp8_e5m2") for g in ("row", "head", "block32")]
 ALL_FORMATS = ["fp32", "bf16", "fp16", "bf16+sr", "fp16+sr", *SCALED_FORMATS, "int8:row+sr", "fp8_e4m3:block32+sr"]
@@ -55,11 +55,12 @@ def _numpy_exp(t):
     return torch.from_numpy(np.exp(t.numpy()))
 
 
-def _kernel_noise(fmt, shape, seed):
+def _kernel_noise(fmt, shape, seed, variant=conventional.Variant()):
     """The kernel's uniform noise for every element of a state of ``shape`` (same Philox stream)."""
     nslots, nheads, headdim, dstate = shape
     zeros = torch.zeros(nslots * nheads, headdim, dstate)
-    return codec_probe.quantize_heads(zeros, fmt, seed=seed, hardware_casts=False)[2].reshape(shape)
+    return codec_probe.quantize_heads(zeros, fmt, seed=seed, hardware_casts=False, sr_stream=variant.sr_stream,
+                                      sr_rounds=variant.sr_rounds)[2].reshape(shape)
 
 
 def _stored(fmt, shape, seed=0):
@@ -244,3 +245,129 @@ def test_bad_input_names_the_argument(overrides, exc, name):
     state = args.pop("state")
     with pytest.raises(exc, match=rf"^{name}:"):
         qstate.selective_state_update(state, **args)
+
+
+# Kernel variants (kernels/conventional.Variant): each must give the default path's bits.
+VARIANTS = {
+    "even": conventional.Variant(even=True),
+    "even-hpp2-prefetch": conventional.Variant(even=True, heads_per_prog=2, prefetch=True),
+    "hpp4-stages2": conventional.Variant(heads_per_prog=4, num_stages=2),
+    "even-hpp8-prefetch-sr4": conventional.Variant(even=True, heads_per_prog=8, prefetch=True, sr_stream=1),
+    "sr4-rounds7": conventional.Variant(sr_stream=1, sr_rounds=7),
+}
+VARIANT_FORMATS = {
+    "even": ["fp16", "bf16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "int8:row+sr"],
+    "even-hpp2-prefetch": ["fp16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "fp8_e4m3:row+sr"],
+    "hpp4-stages2": ["bf16", "int8:row", "fp8_e5m2:block32", "int8:head"],
+    "even-hpp8-prefetch-sr4": ["fp16+sr", "bf16+sr", "int8:row+sr", "fp8_e4m3:row+sr", "fp8_e5m2:block32+sr",
+                               "int8:head+sr"],
+    "sr4-rounds7": ["int8:row+sr", "fp16+sr"],
+}
+# (nheads, headdim, dstate, ngroups, BLOCK_P): "even" splits headdim in tiles that divide it
+# (EVEN applies, 4 heads per group); "odd" is 6 × 80 × 96 with one group (EVEN cannot apply,
+# heads_per_prog 4 and 8 fall back to 2).
+VARIANT_SHAPES = {"even": (8, 16, 32, 2, 8), "odd": (6, 80, 96, 1, None)}
+
+
+@pytest.fixture
+def use_variant(monkeypatch):
+    """Run the public op with ``variant`` for every state width (and BLOCK_P forced when given)."""
+    def apply(variant, block_p=None):
+        monkeypatch.setattr(conventional, "DEFAULT_VARIANTS", {4: variant, 2: variant, 1: variant})
+        if block_p is not None:
+            config = conventional.tile_config
+            monkeypatch.setattr(conventional, "tile_config", lambda *a, **k: (block_p,) + config(*a, **k)[1:])
+    return apply
+
+
+@pytest.mark.parametrize("shape_name", list(VARIANT_SHAPES))
+@pytest.mark.parametrize("name,text", [(n, t) for n, ts in VARIANT_FORMATS.items() for t in ts])
+def test_variant_steps_codes_and_scales_bit_exact(use_variant, name, text, shape_name):
+    variant = VARIANTS[name]
+    nheads, headdim, dstate, ngroups, block_p = VARIANT_SHAPES[shape_name]
+    fmt = formats.StateFormat.parse(text)
+    if fmt.granularity == "block32":
+        dstate = 64 if shape_name == "odd" else dstate
+    use_variant(variant, block_p if fmt.granularity != "head" else None)
+    shape = (2, nheads, headdim, dstate)
+    q = _stored(fmt, shape)
+    state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
+    values = formats.dequantize(q)
+    for step in range(2):
+        inp = _inputs(2, nheads, headdim, dstate, ngroups, seed=step)
+        out = torch.full_like(inp["x"], float("nan"))
+        qstate.selective_state_update(state, **inp, state_scale=scale, state_format=text, out=out, seed=11 + step)
+        y_ref, S_ref = _mirror_step(values, **inp, exp=_numpy_exp)
+        noise = _kernel_noise(fmt, shape, 11 + step, variant) if fmt.stochastic else None
+        expected = formats.quantize(S_ref, fmt, noise=noise)
+        assert torch.equal(_bits(state), _bits(expected.data)), f"step {step}"
+        if fmt.scaled:
+            assert torch.equal(_bits(scale), _bits(expected.scale)), f"step {step}"
+        assert _rel_rms(out, y_ref) < dstate * 2**-24 * 4
+        values = formats.dequantize(expected)
+
+
+@pytest.mark.parametrize("name", ["even", "even-hpp2-prefetch", "hpp4-stages2"])
+@pytest.mark.parametrize("text", ["fp16", "int8:row", "fp8_e4m3:head"])
+def test_variant_padding_and_untouched_slots(use_variant, name, text):
+    use_variant(VARIANTS[name], 8 if text != "fp8_e4m3:head" else None)
+    fmt = formats.StateFormat.parse(text)
+    shape = (6, 8, 16, 32)
+    q = _stored(fmt, shape)
+    state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
+    inp = _inputs(4, 8, 16, 32, 2)
+    indices = torch.tensor([3, -1, 0, 5], dtype=torch.int32)  # 5 is pad_slot_id below
+    out = torch.full_like(inp["x"], float("nan"))
+    qstate.selective_state_update(state, **inp, state_batch_indices=indices, state_scale=scale, state_format=text,
+                                  out=out, pad_slot_id=5)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
+    for untouched in (1, 2, 4, 5):
+        assert torch.equal(_bits(state[untouched]), _bits(q.data[untouched]))
+        if scale is not None:
+            assert torch.equal(scale[untouched], q.scale[untouched])
+    values = formats.dequantize(q)
+    for row, slot in ((0, 3), (2, 0)):
+        one = {k: (v[row:row + 1] if k not in ("A", "D") else v) for k, v in inp.items()}
+        y_ref, S_ref = _mirror_step(values[slot:slot + 1], **one, exp=_numpy_exp)
+        expected = formats.quantize(S_ref, fmt)
+        assert torch.equal(_bits(state[slot:slot + 1]), _bits(expected.data))
+        assert _rel_rms(out[row:row + 1], y_ref) < 32 * 2**-24 * 4
+
+
+@pytest.mark.parametrize("name", ["default", "even-hpp2-prefetch"])
+def test_out_of_range_row_outputs_nan_and_writes_nothing(name):
+    """An index ≥ nslots reaches the kernel only on a GPU (no host check there): launch directly."""
+    variant = VARIANTS.get(name, conventional.Variant())
+    fmt = formats.StateFormat.parse("int8:row")
+    q = _stored(fmt, (2, 4, 16, 32))
+    state, scale = q.data.clone(), q.scale.clone()
+    inp = _inputs(2, 4, 16, 32, 2)
+    out = torch.full_like(inp["x"], 7.0)
+    conventional.launch(
+        state, scale, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], None,
+        torch.tensor([1, 2], dtype=torch.int32), out, 0, None, dtype_code=codec.INT8, granularity=codec.GRAN_ROW,
+        stochastic=False, qmax=127.0, emax=6, dt_softplus=False, pad_slot_id=-1, heads_per_group=2, block_p=8,
+        variant=variant)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+    assert torch.equal(state[0], q.data[0]) and torch.equal(_bits(scale[0]), _bits(q.scale[0]))
+    assert not torch.equal(state[1], q.data[1])
+
+
+@pytest.mark.parametrize("name", ["default", "sr4-rounds7", "even-hpp8-prefetch-sr4"])
+def test_variant_stochastic_rounding_is_unbiased(use_variant, name):
+    """Mean over 64 seeds of (stored − unrounded)/step per element: each term lies in (−1, 1)
+    with sd ≤ 1/2, so the mean over 64 × 128 draws has sd ≤ 0.0055; we allow 0.03."""
+    variant = VARIANTS.get(name, conventional.Variant())
+    use_variant(variant)
+    fmt = formats.StateFormat.parse("int8:row")
+    q = _stored(fmt, (1, 1, 4, 32))
+    inp = _inputs(1, 1, 4, 32, 1)
+    _, S_ref = _mirror_step(formats.dequantize(q), **inp, exp=_numpy_exp)
+    errors = []
+    for seed in range(64):
+        state, scale = q.data.clone(), q.scale.clone()
+        qstate.selective_state_update(state, **inp, state_scale=scale, state_format="int8:row+sr", seed=seed)
+        errors.append((state.float() * scale[..., None] - S_ref) / scale[..., None])
+    errors = torch.stack(errors)
+    assert errors.abs().max() < 1
+    assert abs(errors.mean().item()) < 0.03
