@@ -55,15 +55,15 @@ def run_public(buffers, fmt_text, seed=1):
     )
 
 
-def run_launcher(buffers, fmt, block_p=None, num_warps=None):
-    """The launcher alone, with a tile override (block-size sweeps)."""
+def run_launcher(buffers, fmt, block_p=None, num_warps=None, variant=None):
+    """The launcher alone, with a tile and variant override (sweeps)."""
     b = buffers
     kernel.launch(
         codec.storage_view(b["state"], fmt), b["state_scale"], b["x"], b["dt"], b["A"], b["B"], b["C"], b["D"], b["z"],
         b["dt_bias"], b["state_batch_indices"], b["out"], 1, None,
         dtype_code=codec.dtype_code(fmt), granularity=codec.granularity_code(fmt), stochastic=fmt.stochastic,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1,
-        heads_per_group=b["x"].shape[1] // b["B"].shape[1], block_p=block_p, num_warps=num_warps,
+        heads_per_group=b["x"].shape[1] // b["B"].shape[1], block_p=block_p, num_warps=num_warps, variant=variant,
     )
 
 
@@ -86,11 +86,66 @@ def timing_cases(device):
             if m == MODELS[0] or b in (1, 256)]
 
 
-def sweep_cases(device, formats_=("fp32", "fp16", "int8:row", "fp8_e4m3:row"), block_ps=(8, 16, 32, 64),
-                warps=(4, 8)):
-    """Tile sweep at batch 256 of the first model (bench/run_gpu.py --sweep)."""
+def sweep_cases(device):
+    """Kernel variants against the default at batch 256 of the first model (bench/run_gpu.py
+    --sweep); the first run's tile sweep is ``tile_cases``."""
+    return variant_cases(device)
+
+
+def tile_cases(device, formats_=("fp32", "fp16", "int8:row", "fp8_e4m3:row"), block_ps=(8, 16, 32, 64),
+               warps=(4, 8)):
+    """Tile sweep at batch 256 of the first model (the first H200 run's --sweep)."""
     return [_case(MODELS[0], 256, f, device, group="sweep", block_p=bp, num_warps=w)
             for f in formats_ for bp in block_ps for w in warps]
+
+
+# Kernel variants timed against the default (kernels/conventional.Variant): tag → (Variant,
+# BLOCK_P or None for the default tile, num_warps or None). 8-bit tiles use 168 registers at
+# 32 × 128 × 4 warps (sm_90 compile), so smaller tiles looping over more heads are in the list.
+_V = kernel.Variant
+RNE_VARIANTS = {
+    "default": (None, None, None),
+    "even": (_V(even=True), None, None),
+    "even-hpp2-pf": (_V(even=True, heads_per_prog=2, prefetch=True), None, None),
+    "even-hpp4-pf": (_V(even=True, heads_per_prog=4, prefetch=True), None, None),
+    "even-hpp8-pf": (_V(even=True, heads_per_prog=8, prefetch=True), None, None),
+    "even-hpp4-st2": (_V(even=True, heads_per_prog=4, num_stages=2), None, None),
+    "even-hpp4-st3": (_V(even=True, heads_per_prog=4, num_stages=3), None, None),
+    "even-hpp4-pf-w8": (_V(even=True, heads_per_prog=4, prefetch=True), None, 8),
+}
+RNE_VARIANTS_8BIT = {
+    "even-hpp8-pf-bp16": (_V(even=True, heads_per_prog=8, prefetch=True), 16, 4),
+    "even-hpp8-st2-bp16": (_V(even=True, heads_per_prog=8, num_stages=2), 16, 4),
+}
+SR_VARIANTS = {
+    "default": (None, None, None),
+    "sr4": (_V(sr_stream=1), None, None),
+    "sr4-r7": (_V(sr_stream=1, sr_rounds=7), None, None),
+    "even-hpp4-pf-sr4": (_V(even=True, heads_per_prog=4, prefetch=True, sr_stream=1), None, None),
+    "even-hpp8-pf-bp16-sr4": (_V(even=True, heads_per_prog=8, prefetch=True, sr_stream=1), 16, 4),
+}
+
+
+def variant_cases(device, model=MODELS[0], batch=256):
+    """Default vs variants at batch 256 (bench/run_gpu.py --sweep conventional): 38 cases."""
+    plan = [(text, RNE_VARIANTS) for text in ("fp16", "int8:row", "fp8_e4m3:row")]
+    plan += [(text, RNE_VARIANTS_8BIT) for text in ("int8:row", "fp8_e4m3:row")]
+    plan += [(text, SR_VARIANTS) for text in ("int8:row+sr", "fp8_e4m3:row+sr")]
+    return [_variant_case(model, batch, text, tag, *spec, device) for text, table in plan for tag, spec in table.items()]
+
+
+def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device):
+    fmt = formats.StateFormat.parse(text)
+    prof = profiles.get(model)
+    config_p, _, config_warps = kernel.tile_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate,
+                                                   codec.granularity_code(fmt), batch, prof.nheads)
+    block_p, num_warps = block_p or config_p, num_warps or config_warps
+    nbytes = _bytes_moved(fmt, batch, prof.nheads, prof.headdim, prof.dstate, prof.ngroups, 2)
+    params = dict(model=model, batch=batch, format=f"{text} [{tag}]", inputs="bf16", variant=tag, block_p=block_p,
+                  num_warps=num_warps)
+    return Case("sweep-conventional", f"{model}/b{batch}/{text}/{tag}", params, nbytes,
+                lambda: make_inputs(model, batch, fmt, device),
+                lambda b: run_launcher(b, fmt, block_p, num_warps, variant), set_bytes=nbytes // 2)
 
 
 def eager_overhead(device):
@@ -175,4 +230,71 @@ def check_kernel(device, steps=3):
             if not ok:
                 failures.append(f"kernel {text} {input_dtype}: first {first:.2e} differing {differing:.2e} "
                                 f"err {err:.2e} vs naive {err_ref:.2e}")
+    variant_failures, variant_report = check_variants(device)
+    return failures + variant_failures, report + variant_report
+
+
+def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
+    """Every timed variant against the default path on the GPU, with padding rows: untouched
+    slots bit for bit, padded outputs zero, outputs within 1e-5 relative RMS of the default's
+    (another code shape may contract other FMAs), < 0.1 % codes differing for the same noise
+    stream; with the four-word stream (other noise) int8 codes within one step of the default's.
+    Returns (failures, report rows)."""
+    failures, report = [], []
+    nslots, batch, H, P, N, G = 6, 4, nheads, headdim, dstate, ngroups
+    indices = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=device)
+    for text in ("fp16", "bf16", "int8:row", "fp8_e4m3:row", "int8:head", "fp8_e5m2:block32", "int8:row+sr",
+                 "fp8_e4m3:row+sr"):
+        fmt = formats.StateFormat.parse(text)
+        gen = torch.Generator(device=device).manual_seed(1)
+        q = formats.quantize(torch.randn(nslots, H, P, N, device=device, generator=gen), fmt)
+        r = lambda *shape: torch.randn(*shape, device=device, generator=gen)  # noqa: E731
+        b = dict(x=r(batch, H, P).bfloat16(), z=r(batch, H, P).bfloat16(), dt=(r(batch, H) * 0.5).bfloat16(),
+                 A=-torch.rand(H, device=device, generator=gen) * 8 - 1, D=torch.ones(H, device=device),
+                 dt_bias=r(H) - 4, B=r(batch, G, N).bfloat16(), C=r(batch, G, N).bfloat16())
+        results = {}
+        if fmt.stochastic:
+            variants = SR_VARIANTS
+        else:
+            variants = dict(RNE_VARIANTS, **(RNE_VARIANTS_8BIT if fmt.storage_dtype.itemsize == 1 else {}))
+        for tag, (variant, block_p, num_warps) in variants.items():
+            state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
+            out = torch.full_like(b["x"], float("nan"))
+            try:
+                kernel.launch(
+                    codec.storage_view(state, fmt), scale, b["x"], b["dt"], b["A"], b["B"], b["C"], b["D"], b["z"],
+                    b["dt_bias"], indices, out, 1, None, dtype_code=codec.dtype_code(fmt),
+                    granularity=codec.granularity_code(fmt), stochastic=fmt.stochastic, qmax=codec.qmax(fmt),
+                    emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=5, heads_per_group=H // G, block_p=block_p,
+                    num_warps=num_warps, variant=variant)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as err:  # a variant that does not compile is reported, not fatal
+                failures.append(f"variant {text} {tag}: {type(err).__name__}: {err}")
+                continue
+            results[tag] = (state, scale, out)
+        if "default" not in results:
+            continue
+        ref_state, _, ref_out = results["default"]
+        for tag, (state, scale, out) in results.items():
+            untouched = all(torch.equal(_bits(state[i]), _bits(q.data[i])) for i in (1, 2, 4, 5))
+            if scale is not None:
+                untouched = untouched and all(torch.equal(_bits(scale[i]), _bits(q.scale[i])) for i in (1, 2, 4, 5))
+            padded_zero = bool((out[1] == 0).all() and (out[3] == 0).all())
+            live = [0, 2]
+            rel = ((out[live].double() - ref_out[live].double()).norm() / ref_out[live].double().norm()).item()
+            same_stream = not fmt.stochastic or (variants[tag][0] is None or variants[tag][0].sr_stream == 0)
+            if same_stream:
+                differing = (_bits(state[[3, 0]]) != _bits(ref_state[[3, 0]])).double().mean().item()
+                codes_ok = differing < 1e-3
+            else:
+                differing = (state[[3, 0]].int() - ref_state[[3, 0]].int()).abs().max().item() if fmt.dtype == "int8" \
+                    else float("nan")
+                codes_ok = fmt.dtype != "int8" or differing <= 1
+            ok = untouched and padded_zero and rel < 1e-5 and codes_ok
+            report.append(dict(format=text, variant=tag, untouched=untouched, padded_zero=padded_zero, out_rel=rel,
+                               codes_differing=differing, ok=ok))
+            if not ok:
+                failures.append(f"variant {text} {tag}: untouched {untouched} padded {padded_zero} out {rel:.1e} "
+                                f"codes {differing}")
     return failures, report

@@ -232,8 +232,8 @@ def _conventional_kernel(
         scale_mask = None
         block_mask = None
         dead_rows = row_mask & ((slot_rows < 0) | (slot_rows == pad_slot_id) | (slot_rows >= nslots))
-        for i in tl.static_range(HEADS_PER_PROG):
-            _store_output(out_ptr, tl.where(is_padding, 0.0, float("nan")), batch_row, head0 + i, rows, dead_rows,
+        for offset in tl.static_range(HEADS_PER_PROG):
+            _store_output(out_ptr, tl.where(is_padding, 0.0, float("nan")), batch_row, head0 + offset, rows, dead_rows,
                           s_out_batch, s_out_head, OUT_DTYPE, HW)
         run = (slot >= 0) & (slot != pad_slot_id) & (slot < nslots)
     else:

@@ -256,7 +256,7 @@ VARIANTS = {
     "sr4-rounds7": conventional.Variant(sr_stream=1, sr_rounds=7),
 }
 VARIANT_FORMATS = {
-    "even": ["fp16", "bf16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "int8:row+sr"],
+    "even": ["fp16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "int8:row+sr"],
     "even-hpp2-prefetch": ["fp16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "fp8_e4m3:row+sr"],
     "hpp4-stages2": ["bf16", "int8:row", "fp8_e5m2:block32", "int8:head"],
     "even-hpp8-prefetch-sr4": ["fp16+sr", "bf16+sr", "int8:row+sr", "fp8_e4m3:row+sr", "fp8_e5m2:block32+sr",
@@ -308,7 +308,7 @@ def test_variant_steps_codes_and_scales_bit_exact(use_variant, name, text, shape
 
 
 @pytest.mark.parametrize("name", ["even", "even-hpp2-prefetch", "hpp4-stages2"])
-@pytest.mark.parametrize("text", ["fp16", "int8:row", "fp8_e4m3:head"])
+@pytest.mark.parametrize("text", ["int8:row", "fp8_e4m3:head"])
 def test_variant_padding_and_untouched_slots(use_variant, name, text):
     use_variant(VARIANTS[name], 8 if text != "fp8_e4m3:head" else None)
     fmt = formats.StateFormat.parse(text)
@@ -371,3 +371,21 @@ def test_variant_stochastic_rounding_is_unbiased(use_variant, name):
     errors = torch.stack(errors)
     assert errors.abs().max() < 1
     assert abs(errors.mean().item()) < 0.03
+
+
+def test_bench_variant_cases_run_on_tiny_buffers():
+    """bench/cases_conventional's variant sweep (timed on the GPU): every case builds and one
+    call of each runs (tiny shapes, CPU) with finite outputs, so the GPU run meets no Python error."""
+    from bench import cases_conventional
+
+    cases = cases_conventional.variant_cases(torch.device("cpu"))
+    assert len(cases) <= 40 and len({c.name for c in cases}) == len(cases)
+    for case in cases:
+        fmt = formats.StateFormat.parse(case.params["format"].split(" ")[0])
+        q = _stored(fmt, (2, 8, 16, 32))
+        inp = _inputs(2, 8, 16, 32, 2, dtype=torch.bfloat16)
+        buffers = dict(inp, state=q.data.clone(), state_scale=None if q.scale is None else q.scale.clone(),
+                       dt_bias=torch.zeros(8), out=torch.full_like(inp["x"], float("nan")),
+                       state_batch_indices=torch.arange(2, dtype=torch.int32))
+        case.run(buffers)
+        assert torch.isfinite(buffers["out"].float()).all(), case.name
