@@ -55,8 +55,10 @@ def _numpy_exp(t):
     return torch.from_numpy(np.exp(t.numpy()))
 
 
-def _kernel_noise(fmt, shape, seed, variant=conventional.Variant()):
-    """The kernel's uniform noise for every element of a state of ``shape`` (same Philox stream)."""
+def _kernel_noise(fmt, shape, seed, variant=None):
+    """The kernel's uniform noise for every element of a state of ``shape`` (the stream of
+    ``variant``, by default the one the launcher runs for this format)."""
+    variant = variant or conventional.DEFAULT_VARIANTS[fmt.storage_dtype.itemsize]
     nslots, nheads, headdim, dstate = shape
     zeros = torch.zeros(nslots * nheads, headdim, dstate)
     return codec_probe.quantize_heads(zeros, fmt, seed=seed, hardware_casts=False, sr_stream=variant.sr_stream,
