@@ -1,35 +1,37 @@
-"""Replay decode on the GPU: correctness checks first, then timing against the conventional fp32
-kernel in the same run (CUDA-graph replay of whole flush cycles, cold L2, medians).
+"""Replay decode on the GPU (issue 5), in the shared harness (``python3 -m bench.run_gpu``): a
+check of every step kernel against the fp64 reference, then timing in the same run as the
+conventional kernel, with the ratio to its fp32 case at the same batch (``annotate``).
 
-    python3 bench/cases_replay.py --out bench/results/replay.json
+Cases (Nemotron-H-8B layer, bf16 inputs), each step kernel of ``STEP_KERNELS`` (the per-head
+kernel and the grouped one, name suffix ``/per-head`` or ``/grouped-h8``):
 
-Each timed graph runs every cache through one whole flush cycle (``ring_len`` steps), so the
-mean per step includes exactly one flush per slot. Small batches rotate over several caches
-so that more than 60 MB is touched per graph (cold L2). Bytes per step count the cache traffic
-(``ReplayCache.bytes_per_step``, ring included) plus the decode inputs and outputs; the copy
-ceiling (bytes read + written by a device copy of 1 GiB) is measured in the same run.
+* ``replay/b{batch}/{checkpoint}+{read}/L{L}/...``: one timed call runs a whole flush cycle
+  (``L`` steps, so exactly one flush per slot); µs and bytes are per step, bytes from
+  ``ReplayCache.bytes_per_step`` (ring included) plus the decode inputs and output.
+  ``/staggered``: cursors spread over the ring, so every step flushes 1/L of the rows.
+* ``.../normal-step`` and ``.../flush-step``: one step with every row normal (cursor 0) or every
+  row flushing (cursor L − 1); the call includes the 1 KB cursor fill that sets this up (~2 µs).
+
+``sweep_cases`` (``--sweep replay``): the grouped kernel's normal step at batch 256 over heads
+per program, warps and head-loop pipeline stages.
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import math
-import platform
-import statistics
-import subprocess
-import sys
-import time
 
 import torch
 
 from qstate import reference
 from qstate.cache import ReplayCache
-from qstate.formats import dequantize, quantize
-from qstate.ops.replay import replay_decode
+from qstate.formats import quantize
+from qstate.kernels.replay import launch_replay_decode
+
+from . import harness
 
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)  # Nemotron-H-8B
-COLD_BYTES = 60e6
+MODEL = "nemotron-h-8b"
+STEP_KERNELS = {"per-head": dict(heads_per_program=0), "grouped-h8": dict(heads_per_program=8)}
+_CACHE_FIELDS = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B", "cursor",
+                 "generation", "flush_rows", "flush_counters")
 
 
 def inputs(batch, nheads, headdim, dstate, ngroups, *, device, dtype=torch.bfloat16, T=None, seed=0):
@@ -52,236 +54,231 @@ def io_bytes(batch, nheads, headdim, dstate, ngroups, elem=2):
     return batch * (3 * nheads * headdim * elem + 2 * ngroups * dstate * elem + nheads * elem)
 
 
+def step(cache, inp, out, **kernel):
+    """One decode step through the launcher (the custom op's body, minus validation) with an
+    explicit step kernel: ``kernel`` = launch_replay_decode's heads_per_program / step_* args."""
+    t = cache.tensors()
+    launch_replay_decode(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True,
+                         None, out, *(t[k] for k in _CACHE_FIELDS), checkpoint_format=cache.checkpoint_format,
+                         read_format=cache.read_format, seed=cache.seed, **kernel)
+
+
+def _slot_state_bytes(data, scale):
+    return data[0].numel() * data.element_size() + (0 if scale is None else scale[0].numel() * 4)
+
+
 # ---------------------------------------------------------------------------- correctness
 
+CHECK_SHAPE = dict(nheads=32, headdim=64, dstate=128, ngroups=2)  # 16 heads per group, as the layer
+CHECK_COMBOS = [(torch.float32, ck, rd) for ck, rd in (
+    ("fp32", None), ("fp32", "fp8_e4m3:row"), ("bf16", "fp8_e4m3:row"), ("fp32", "int8:row"), ("fp32", "fp8_e5m2:row"),
+    ("fp32", "int8:head"), ("fp32", "fp8_e4m3:block32"), ("fp16", "bf16"), ("int8:row", "fp16"),
+    ("fp8_e4m3:row", None), ("bf16+sr", None))] + [
+    (torch.bfloat16, ck, rd) for ck, rd in (("fp32", None), ("fp32", "fp8_e4m3:row"), ("bf16", "fp8_e4m3:row"))]
 
-def check_correctness(device) -> dict:
-    """Kernel vs fp64 reference on small shapes with the GPU's conversion instructions."""
-    results = {}
-    shape = dict(nheads=8, headdim=64, dstate=128, ngroups=2)
-    batch, L, T = 3, 4, 10
-    for dtype in (torch.float32, torch.bfloat16):
-        for ck, rd in (("fp32", None), ("fp32", "fp8_e4m3:row"), ("bf16", "fp8_e4m3:row"), ("fp32", "int8:row"),
-                       ("fp32", "fp8_e5m2:row"), ("fp32", "int8:head"), ("fp32", "fp8_e4m3:block32"),
-                       ("fp16", "bf16"), ("int8:row", "fp16"), ("fp8_e4m3:row", None), ("bf16+sr", None)):
-            inp = inputs(batch, **shape, device=device, dtype=dtype, T=T, seed=1)
-            state0 = torch.randn(batch, *[shape[k] for k in ("nheads", "headdim", "dstate")],
-                                 generator=torch.Generator().manual_seed(2)).to(device)
-            cache = ReplayCache.allocate(batch, **shape, ring_len=L, checkpoint=ck, read=rd, input_dtype=dtype,
-                                         device=device)
-            cache.reset([0, 1, 2], state0)
-            ys, exact_read, mismatches, scale_mismatches = [], True, 0, 0
-            for t in range(T):
-                out = torch.full((batch, shape["nheads"], shape["headdim"]), float("nan"), device=device, dtype=dtype)
-                ys.append(replay_decode(cache, **{k: (v[t] if v.dim() > 1 else v) for k, v in inp.items()},
-                                        dt_softplus=True, out=out))
-                if rd is not None and (t + 1) % L == 0:
-                    # Against torch's codec on the CPU (IEEE division there for certain).
-                    expected = quantize(cache.checkpoint_values([0, 1, 2]).cpu(), rd)
-                    bits = torch.uint8 if cache.read.element_size() == 1 else torch.int16
-                    got = cache.read.cpu().view(bits).int()
-                    diff = int((got != expected.data.view(bits).int()).sum())
-                    scale_diff = 0 if expected.scale is None else int((cache.read_scale.cpu() != expected.scale).sum())
-                    mismatches += diff
-                    scale_mismatches += scale_diff
-                    exact_read = exact_read and diff == 0 and scale_diff == 0
-            y = torch.stack(ys).double().cpu()
-            cpu = {k: v.cpu() for k, v in inp.items()}
-            y_ref, S_ref = reference.decode_replay(state0.cpu(), **cpu, dt_softplus=True, checkpoint=ck, read=rd,
-                                                   ring_len=L)
-            rel = float((y - y_ref).norm() / y_ref.norm())
-            S = cache.materialize([0, 1, 2], inp["A"]).double().cpu()
-            rel_state = float((S - S_ref).norm() / S_ref.norm())
-            key = f"{ck}/{rd}/{str(dtype).replace('torch.', '')}"
-            results[key] = dict(y_rel_rms=rel, state_rel_rms=rel_state, read_codes_bit_exact=exact_read,
-                                read_code_mismatches=mismatches, read_scale_mismatches=scale_mismatches,
-                                finite=bool(torch.isfinite(y).all()))
-            print(f"check {key:40s} y {rel:.2e} state {rel_state:.2e} read-exact {exact_read} ({mismatches} codes, {scale_mismatches} scales differ)", flush=True)
-    return results
+
+def _decode(device, shape, ck, rd, dtype, inp, state0, batch, L, T, kernel):
+    cache = ReplayCache.allocate(batch, **shape, ring_len=L, checkpoint=ck, read=rd, input_dtype=dtype, device=device)
+    # Seeded, so that every step kernel starts from the same stochastically rounded checkpoint.
+    cache.reset(list(range(batch)), state0, generator=torch.Generator(device=device).manual_seed(3))
+    ys, read_mismatches = [], 0
+    for t in range(T):
+        out = torch.full((batch, shape["nheads"], shape["headdim"]), float("nan"), device=device, dtype=dtype)
+        step(cache, {k: (v[t] if v.dim() > 1 else v) for k, v in inp.items()}, out, **kernel)
+        ys.append(out)
+        if rd is not None and not cache.read_format.stochastic and (t + 1) % L == 0:
+            # Against torch's codec on the CPU (IEEE division there for certain).
+            expected = quantize(cache.checkpoint_values(list(range(batch))).cpu(), rd)
+            bits = torch.uint8 if cache.read.element_size() == 1 else torch.int16
+            read_mismatches += int((cache.read.cpu().view(bits) != expected.data.view(bits)).sum())
+            if expected.scale is not None:
+                read_mismatches += int((cache.read_scale.cpu() != expected.scale).sum())
+    return torch.stack(ys).double().cpu(), cache, read_mismatches
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
+    """Every step kernel against ``decode_replay`` (fp64, same formats) over T steps (two flush
+    cycles), and the grouped kernels against the per-head one.
+
+    Fails when: outputs are not finite; read-copy codes or scales differ from
+    ``quantize(dequantize(checkpoint))`` (round-to-nearest read formats); outputs or the
+    materialized state are off the reference by more than 5e-3 relative RMS (1e-2 for ``+sr``:
+    other noise than the reference's; the fp32-folded checkpoint may round to another code than
+    the fp64 fold, which moves outputs by up to a grid step of the read format); or a grouped
+    kernel's checkpoint is not bit-identical to the per-head kernel's (the same flush kernel folds
+    the same ring), or its outputs differ from the per-head kernel's by more than 1e-5 relative RMS
+    (4e-3 with bf16 outputs: one bf16 rounding either side). With ``sweep``, also every tile of
+    ``sweep_cases`` (bf16 inputs, so the sweep reuses the compiled kernels). Returns
+    (failures, report rows).
+    """
+    shape = shape or CHECK_SHAPE
+    failures, report = [], []
+    H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
+    sweep_kernels = {f"grouped-h{h}-w{w}-s{s}": dict(heads_per_program=h, step_warps=w, step_stages=s)
+                     for h, w, s in _SWEEP_TILES} if sweep else {}
+    for dtype, ck, rd in CHECK_COMBOS:
+        inp = inputs(batch, **shape, device=device, dtype=dtype, T=T, seed=1)
+        state0 = torch.randn(batch, H, P, N, generator=torch.Generator().manual_seed(2)).to(device)
+        cpu = {k: v.cpu() for k, v in inp.items()}
+        y_ref, S_ref = reference.decode_replay(state0.cpu(), **cpu, dt_softplus=True, checkpoint=ck, read=rd,
+                                               ring_len=L)
+        kernels = dict(STEP_KERNELS)
+        if dtype == torch.bfloat16 and ck == "fp32" and rd in (None, "fp8_e4m3:row"):
+            kernels.update(sweep_kernels)
+        baseline = None
+        for name, kernel in kernels.items():
+            key = f"{ck}/{rd}/{str(dtype).replace('torch.', '')}/{name}"
+            try:
+                y, cache, mismatches = _decode(device, shape, ck, rd, dtype, inp, state0, batch, L, T, kernel)
+            except Exception as err:  # a kernel that does not compile fails its check, not the run
+                failures.append(f"replay {key}: raised {type(err).__name__}: {err}")
+                continue
+            S = cache.materialize(list(range(batch)), inp["A"]).double().cpu()
+            row = dict(check=key, y_rel_rms=_rel(y, y_ref), state_rel_rms=_rel(S, S_ref), read_mismatches=mismatches,
+                       finite=bool(torch.isfinite(y).all()))
+            tol = 1e-2 if "+sr" in ck else 5e-3
+            problems = []
+            if not row["finite"]:
+                problems.append("non-finite outputs")
+            if mismatches:
+                problems.append(f"{mismatches} read codes/scales differ")
+            if not (row["y_rel_rms"] <= tol and row["state_rel_rms"] <= tol):
+                problems.append(f"y rel {row['y_rel_rms']:.2e} state rel {row['state_rel_rms']:.2e} (tol {tol:g})")
+            if baseline is None:
+                baseline = (y, cache.checkpoint.cpu())
+            else:
+                row["y_rel_vs_per_head"] = _rel(y, baseline[0])
+                row["checkpoint_bit_identical"] = torch.equal(
+                    cache.checkpoint.cpu().view(torch.uint8), baseline[1].view(torch.uint8))
+                same_tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
+                if not (row["y_rel_vs_per_head"] <= same_tol and row["checkpoint_bit_identical"]):
+                    problems.append(f"vs per-head: y rel {row['y_rel_vs_per_head']:.2e} (tol {same_tol:g}), "
+                                    f"checkpoint identical {row['checkpoint_bit_identical']}")
+            row["ok"] = not problems
+            report.append(row)
+            if problems:
+                failures.append(f"replay {key}: " + "; ".join(problems))
+    return failures, report
 
 
 # ---------------------------------------------------------------------------- timing
 
 
-def median_us(fn, steps, reps=15, before=None):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        if before:
-            before()
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        if before:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / steps)
-    return statistics.median(times)
+def _probe(checkpoint, read, ring_len, layer):
+    return ReplayCache.allocate(1, **layer, ring_len=ring_len, checkpoint=checkpoint, read=read, device="meta")
 
 
-def copy_ceiling(device) -> float:
-    """Best of a DMA copy and an elementwise kernel over 1 GiB (bytes read + written per second)."""
-    src = torch.empty(2 ** 28, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = min(median_us(lambda: dst.copy_(src), 1), median_us(lambda: torch.mul(src, 1.0, out=dst), 1))
-    return 2 * src.numel() * 4 / (us * 1e-6)
+def _buffers(batch, checkpoint, read, ring_len, layer, device, phase):
+    cache = ReplayCache.allocate(batch, **layer, ring_len=ring_len, checkpoint=checkpoint, read=read, device=device)
+    cache.reset(list(range(batch)))
+    if phase == "staggered":
+        cache.cursor.copy_(torch.arange(batch, device=device, dtype=torch.int32) % ring_len)
+    out = torch.empty(batch, layer["nheads"], layer["headdim"], device=device, dtype=torch.bfloat16)
+    return cache, inputs(batch, **layer, device=device), out
 
 
-def time_conventional(batch, device, ceiling):
-    from qstate.ops import selective_state_update
-
-    H, P, N, G = (LAYER[k] for k in ("nheads", "headdim", "dstate", "ngroups"))
-    per_copy = batch * H * P * N * 4
-    copies = max(1, math.ceil(COLD_BYTES / per_copy))
-    states = [torch.zeros(batch, H, P, N, device=device) for _ in range(copies)]
-    inp = inputs(batch, **LAYER, device=device)
-    out = torch.empty(batch, H, P, device=device, dtype=torch.bfloat16)
-
-    def step():
-        for s in states:
-            selective_state_update(s, **inp, dt_softplus=True, out=out)
-
-    us = median_us(step, copies)
-    moved = 2 * per_copy + io_bytes(batch, **LAYER)
-    return dict(op="conventional", state="fp32", batch=batch, us=us, bytes=moved, floor_us=moved / ceiling * 1e6,
-                pct_of_ceiling=100 * moved / ceiling / (us * 1e-6))
+def _label(checkpoint, read, ring_len):
+    return f"{checkpoint}+{read or 'none'}/L{ring_len}"
 
 
-def time_replay(batch, checkpoint, read, ring_len, device, ceiling, *, phase="aligned"):
-    H, P, N, G = (LAYER[k] for k in ("nheads", "headdim", "dstate", "ngroups"))
-    probe = ReplayCache.allocate(1, **LAYER, ring_len=ring_len, checkpoint=checkpoint, read=read, device="meta")
-    copies = max(1, math.ceil(COLD_BYTES / (probe.nbytes * batch)))
-    caches = [ReplayCache.allocate(batch, **LAYER, ring_len=ring_len, checkpoint=checkpoint, read=read,
-                                   device=device) for _ in range(copies)]
-    for c in caches:
-        c.reset(list(range(batch)))
-        if phase == "staggered":
-            c.cursor.copy_(torch.arange(batch, device=device, dtype=torch.int32) % ring_len)
-    inp = inputs(batch, **LAYER, device=device)
-    out = torch.empty(batch, H, P, device=device, dtype=torch.bfloat16)
+def cycle_case(batch, checkpoint, read, ring_len, kernel_name, device, *, phase="aligned", layer=LAYER,
+               kernel=None):
+    """Whole flush cycles: one call = ``ring_len`` steps; µs and bytes per step."""
+    probe = _probe(checkpoint, read, ring_len, layer)
+    kernel = STEP_KERNELS[kernel_name] if kernel is None else kernel
+    moved = int(probe.bytes_per_step() * batch + io_bytes(batch, **layer))
 
-    def cycle():
-        for c in caches:
-            for _ in range(ring_len):
-                replay_decode(c, **inp, dt_softplus=True, out=out)
+    def run(buffers):
+        cache, inp, out = buffers
+        for _ in range(ring_len):
+            step(cache, inp, out, **kernel)
 
-    us = median_us(cycle, copies * ring_len)
-    moved = probe.bytes_per_step() * batch + io_bytes(batch, **LAYER)
-    row = dict(op="replay", checkpoint=checkpoint, read=read, ring_len=ring_len, batch=batch, phase=phase, us=us,
-               bytes=moved, floor_us=moved / ceiling * 1e6, pct_of_ceiling=100 * moved / ceiling / (us * 1e-6))
-    if batch >= 64 and phase == "aligned":
-        # One step alone: every row normal (cursor 0) or every row flushing (cursor L - 1).
-        c = caches[0]
-
-        def one():
-            replay_decode(c, **inp, dt_softplus=True, out=out)
-
-        row["normal_step_us"] = median_us(one, 1, before=lambda: c.cursor.zero_())
-        row["flush_step_us"] = median_us(one, 1, before=lambda: c.cursor.fill_(ring_len - 1))
-    del caches
-    torch.cuda.empty_cache()
-    return row
+    name = f"replay/b{batch}/{_label(checkpoint, read, ring_len)}/{kernel_name}" + (
+        "/staggered" if phase == "staggered" else "")
+    return harness.Case(
+        "replay", name,
+        dict(model=MODEL, batch=batch, format=f"replay {checkpoint} + {read or 'no read'}, L{ring_len}, {kernel_name}",
+             inputs=f"bf16, flush cycles{', staggered' if phase == 'staggered' else ''}", kernel=kernel_name,
+             checkpoint=checkpoint, read=read, ring_len=ring_len, phase=phase),
+        moved, lambda: _buffers(batch, checkpoint, read, ring_len, layer, device, phase), run,
+        set_bytes=int(probe.nbytes * batch), steps_per_call=ring_len)
 
 
-def sweep_step_kernel(checkpoint, read, device):
-    """Normal step alone (every cursor 0) at batch 256 for a few tile heights and warp counts."""
-    from qstate.kernels.replay import launch_replay_decode
+def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, device, *, layer=LAYER, kernel=None,
+                     group="replay", label=None):
+    """One step with every row normal (cursor 0: the state read, no ring tokens yet) or every row
+    flushing (cursor L − 1: checkpoint and read copy read and written, L ring tokens read)."""
+    probe = _probe(checkpoint, read, ring_len, layer)
+    kernel = STEP_KERNELS[kernel_name] if kernel is None else kernel
+    ck = _slot_state_bytes(probe.checkpoint, probe.checkpoint_scale)
+    rd = ck if probe.read is None else _slot_state_bytes(probe.read, probe.read_scale)
+    per_token = (layer["nheads"] * (layer["headdim"] * probe.ring_x.element_size() + 4)
+                 + layer["ngroups"] * layer["dstate"] * probe.ring_B.element_size())
+    if which == "normal":
+        cursor, per_slot = 0, rd + per_token
+    else:
+        cursor, per_slot = ring_len - 1, 2 * ck + (0 if probe.read is None else 2 * rd) + (ring_len + 1) * per_token
+    moved = int(per_slot * batch + io_bytes(batch, **layer))
 
-    batch, L = 256, 16
-    cache = ReplayCache.allocate(batch, **LAYER, ring_len=L, checkpoint=checkpoint, read=read, device=device)
-    inp = inputs(batch, **LAYER, device=device)
-    out = torch.empty(batch, LAYER["nheads"], LAYER["headdim"], device=device, dtype=torch.bfloat16)
-    t = cache.tensors()
-    rows = []
-    for block_p, warps in ((64, 4), (64, 8), (32, 4), (32, 2), (16, 2), (16, 4)):
-        def one():
-            launch_replay_decode(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"],
-                                 inp["dt_bias"], True, None, out, *(t[k] for k in (
-                                     "checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt",
-                                     "ring_B", "cursor", "generation", "flush_rows", "flush_counters")),
-                                 checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=0,
-                                 step_block_p=block_p, step_warps=warps)
-        us = median_us(one, 1, before=lambda: cache.cursor.zero_())
-        rows.append(dict(checkpoint=checkpoint, read=read, block_p=block_p, warps=warps, normal_step_us=us))
-        print(f"sweep {checkpoint}+{read} BLOCK_P {block_p} warps {warps}: normal step {us:.1f} us", flush=True)
-    del cache
-    torch.cuda.empty_cache()
-    return rows
+    def run(buffers):
+        cache, inp, out = buffers
+        cache.cursor.fill_(cursor)
+        step(cache, inp, out, **kernel)
 
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/replay.json")
-    parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="batch 256 headline cases only")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the step kernel's tiles")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda")
-    started = time.time()
-    report = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, python=platform.python_version(),
-                  date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
-    try:
-        report["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True).stdout.strip()
-    except OSError:
-        report["commit"] = None
-    import triton
-
-    report["triton"] = triton.__version__
-    if not args.skip_checks:
-        report["checks"] = check_correctness(device)
-    ceiling = copy_ceiling(device)
-    report["copy_ceiling_TBps"] = ceiling / 1e12
-    print(f"copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
-    if args.sweep:
-        report["sweep"] = sweep_step_kernel("fp32", "fp8_e4m3:row", device) + sweep_step_kernel("fp32", None, device)
-    rows = []
-
-    def add(row):
-        rows.append(row)
-        extra = "".join(f" {k} {row[k]:.1f}" for k in ("normal_step_us", "flush_step_us") if k in row)
-        name = row["op"] + (f" {row['checkpoint']}+{row['read']} L{row['ring_len']} {row['phase']}"
-                            if row["op"] == "replay" else " fp32")
-        print(f"b{row['batch']:<4d} {name:48s} {row['us']:8.1f} us  floor {row['floor_us']:7.1f}  "
-              f"{row['pct_of_ceiling']:5.1f}% of ceiling{extra}", flush=True)
-
-    batches = (256,) if args.quick else (256, 16, 1)
-    for batch in batches:
-        add(time_conventional(batch, device, ceiling))
-        add(time_replay(batch, "fp32", None, 16, device, ceiling))
-        add(time_replay(batch, "fp32", "fp8_e4m3:row", 16, device, ceiling))
-    add(time_replay(256, "fp32", "fp8_e4m3:row", 16, device, ceiling, phase="staggered"))
-    add(time_replay(256, "fp32", None, 16, device, ceiling, phase="staggered"))
-    if not args.quick:
-        add(time_replay(256, "bf16", "fp8_e4m3:row", 16, device, ceiling))
-        add(time_replay(256, "fp32", "int8:row", 16, device, ceiling))
-        add(time_replay(256, "fp32", "fp8_e4m3:row", 8, device, ceiling))
-        add(time_replay(256, "fp32", "fp8_e4m3:row", 32, device, ceiling))
-    conventional = {r["batch"]: r["us"] for r in rows if r["op"] == "conventional"}
-    for r in rows:
-        if r["op"] == "replay":
-            r["speedup_vs_conventional_fp32"] = conventional[r["batch"]] / r["us"]
-    report["rows"] = rows
-    report["wall_s"] = time.time() - started
-    for r in rows:
-        if r["op"] == "replay":
-            print(f"b{r['batch']} {r['checkpoint']}+{r['read']} L{r['ring_len']} {r['phase']}: "
-                  f"{r['speedup_vs_conventional_fp32']:.2f}x conventional fp32", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out} in {report['wall_s']:.0f} s")
+    label = label or kernel_name
+    return harness.Case(
+        group, f"replay/b{batch}/{_label(checkpoint, read, ring_len)}/{label}/{which}-step",
+        dict(model=MODEL, batch=batch, format=f"replay {checkpoint} + {read or 'no read'}, L{ring_len}, {label}",
+             inputs=f"bf16, {which} step only", kernel=label, checkpoint=checkpoint, read=read, ring_len=ring_len,
+             phase=f"{which}-step"),
+        moved, lambda: _buffers(batch, checkpoint, read, ring_len, layer, device, "aligned"), run,
+        set_bytes=int(probe.nbytes * batch))
 
 
-if __name__ == "__main__":
-    main()
+@harness.register("replay")
+def timing_cases(device, layer=LAYER):
+    out = []
+    for name in STEP_KERNELS:
+        for batch in (256, 64, 16, 1):
+            out += [cycle_case(batch, "fp32", None, 16, name, device, layer=layer),
+                    cycle_case(batch, "fp32", "fp8_e4m3:row", 16, name, device, layer=layer)]
+        out += [cycle_case(256, "fp32", "fp8_e4m3:row", 16, name, device, phase="staggered", layer=layer),
+                cycle_case(256, "bf16", "fp8_e4m3:row", 16, name, device, layer=layer),
+                cycle_case(256, "fp32", "int8:row", 16, name, device, layer=layer),
+                cycle_case(256, "fp32", "fp8_e4m3:row", 8, name, device, layer=layer),
+                cycle_case(256, "fp32", "fp8_e4m3:row", 32, name, device, layer=layer)]
+        for read in (None, "fp8_e4m3:row"):
+            for which in ("normal", "flush"):
+                out.append(single_step_case(256, "fp32", read, 16, name, which, device, layer=layer))
+    return out
+
+
+# (heads per program, warps, head-loop stages) of the grouped step kernel's sweep.
+_SWEEP_TILES = [(h, w, 2) for h in (4, 8, 16) for w in (4, 8)] + [(8, 4, 1), (8, 4, 3)]
+
+
+def sweep_cases(device, layer=LAYER):
+    """Normal step of the grouped kernel at batch 256, fp32 checkpoint with and without the fp8
+    read copy, over ``_SWEEP_TILES`` (``python3 -m bench.run_gpu --sweep replay``)."""
+    return [single_step_case(256, "fp32", read, 16, None, "normal", device, layer=layer, group="replay-sweep",
+                             kernel=dict(heads_per_program=h, step_warps=w, step_stages=s),
+                             label=f"grouped-h{h}-w{w}-s{s}")
+            for read in ("fp8_e4m3:row", None) for h, w, s in _SWEEP_TILES]
+
+
+def annotate(by_group):
+    """Ratio of each replay case to the conventional fp32 kernel at its batch, timed in the same
+    run (``x_conventional_fp32`` > 1: replay is faster)."""
+    conventional = {r["params"]["batch"]: r["us"] for r in by_group.get("conventional", [])
+                    if r["params"].get("model") == MODEL and r["params"].get("format") == "fp32"}
+    for group in ("replay", "replay-sweep"):
+        for r in by_group.get(group, []):
+            base = conventional.get(r["params"]["batch"])
+            if base is not None:
+                r["x_conventional_fp32"] = base / r["us"]
+                print(f"{r['name']:60s} {r['us']:8.1f} us  {r['x_conventional_fp32']:5.2f}x conventional fp32",
+                      flush=True)

@@ -38,6 +38,7 @@ class Case:
     make_buffers: Callable[[], Any]
     run: Callable[[Any], None]
     set_bytes: int = 0  # device bytes of one buffer set (defaults to bytes_moved)
+    steps_per_call: int = 1  # op steps one run() makes (a whole flush cycle); µs and bytes_moved are per step
 
 
 _BUILDERS: dict[str, list[Callable[[torch.device], list[Case]]]] = {}
@@ -96,7 +97,7 @@ def time_case(case: Case, replays: int = 20) -> float:
             case.run(buffers)
 
     try:
-        return _graph_time_us(calls, nsets, replays)
+        return _graph_time_us(calls, nsets * case.steps_per_call, replays)
     finally:
         del sets
         torch.cuda.empty_cache()

@@ -22,8 +22,8 @@ import torch
 from . import harness
 
 CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_speculative")
-# Only functions named check_codec / check_kernel / sweep_cases / eager_overhead and cases
-# registered with harness.register are used from each module.
+# Only functions named check_codec / check_kernel / sweep_cases / eager_overhead / annotate and
+# cases registered with harness.register are used from each module.
 
 
 def _load_case_modules():
@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--groups", default=None, help="comma-separated case groups (default: all)")
-    parser.add_argument("--sweep", action="store_true", help="also time tile sweeps where a module offers one")
+    parser.add_argument("--sweep", nargs="?", const="", default=None,
+                        help="also time tile sweeps where a module offers one (optionally only modules whose "
+                             "name contains this, e.g. --sweep replay)")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--only", default=None, help="time only cases whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
@@ -62,7 +64,10 @@ def main(argv=None) -> int:
                 if fn is None:
                     continue
                 t0 = time.time()
-                result = fn(device)
+                try:
+                    result = fn(device)
+                except Exception as err:  # a crashing check is a failure, not the end of the run
+                    result = [f"{module.__name__}.{fn_name} raised {type(err).__name__}: {err}"]
                 fails, report = result if isinstance(result, tuple) else (result, None)
                 failures += fails
                 checks[f"{module.__name__}.{fn_name}"] = dict(failures=fails, report=report)
@@ -77,13 +82,18 @@ def main(argv=None) -> int:
     all_cases = harness.cases(device, groups)
     if args.only:
         all_cases = [c for c in all_cases if any(part in c.name for part in args.only.split(","))]
-    if args.sweep:
+    if args.sweep is not None:
         for module in modules:
-            if hasattr(module, "sweep_cases"):
+            if hasattr(module, "sweep_cases") and args.sweep in module.__name__:
                 all_cases = module.sweep_cases(device) + all_cases
     by_group: dict[str, list] = {}
     for case in all_cases:
-        us = harness.time_case(case)
+        try:
+            us = harness.time_case(case)
+        except Exception as err:  # e.g. a tile that does not compile: record it, time the rest
+            failures.append(f"{case.name}: {type(err).__name__}: {err}")
+            print(f"{case.name:55s} FAILED {type(err).__name__}: {err}", flush=True)
+            continue
         gbs = case.bytes_moved / (us * 1e-6) / 1e9
         row = dict(group=case.group, name=case.name, params=case.params, us=us, bytes=case.bytes_moved, gbs=gbs,
                    pct_copy=100 * gbs / ceiling)
@@ -98,6 +108,9 @@ def main(argv=None) -> int:
             for row in rows:
                 row["pct_copy"] = 100 * row["gbs"] / ceiling_after
         ceiling = ceiling_after
+    for module in modules:
+        if hasattr(module, "annotate"):
+            module.annotate(by_group)
     extras = {}
     for module in modules:
         if hasattr(module, "eager_overhead"):

@@ -7,6 +7,11 @@ ring), appends the token at ``n``, and, unless the ring is now full, writes the 
 read copy (or the checkpoint) and the ring. A row whose ring is full is put on the step's
 flush list (an atomic counter) and gets its output from the flush kernel.
 
+Grouped step kernel (``launch_replay_decode(heads_per_program=k)``, ``k ≥ 1``), grid
+``(nheads / k × P-tiles, batch)``: the same work and bookkeeping for ``k`` heads of one group
+per program, with what the heads share (slot, cursor, the ring's B and ``B_j · C``) loaded or
+computed once. Which kernel runs by default: ``DEFAULT_HEADS_PER_PROGRAM``.
+
 Flush kernel, grid ``(G, nheads)`` with ``G`` small (a few programs per multiprocessor, not one
 per row): each program walks the flush list for its head, folds the ring into the checkpoint
 (from the stored checkpoint, in fp32), writes the output, the new checkpoint and the read copy.
