@@ -10,7 +10,7 @@ flush list (an atomic counter) and gets its output from the flush kernel.
 Grouped step kernel (``launch_replay_decode(heads_per_program=k)``, ``k ≥ 1``), grid
 ``(nheads / k × P-tiles, batch)``: the same work and bookkeeping for ``k`` heads of one group
 per program, with what the heads share (slot, cursor, the ring's B and ``B_j · C``) loaded or
-computed once. Which kernel runs by default: ``DEFAULT_HEADS_PER_PROGRAM``.
+computed once. Which kernel runs by default: ``DEFAULT_HEADS_PER_PROGRAM`` and ``GROUPED_MIN_BATCH``.
 
 Flush kernel, grid ``(G, nheads)`` with ``G`` small (a few programs per multiprocessor, not one
 per row): each program walks the flush list for its head, folds the ring into the checkpoint
@@ -395,9 +395,13 @@ def _replay_flush_kernel(
         tl.store(flush_counters_ptr + 1, 0)
 
 
-# Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program (the
-# kernel measured in bench/README.md); k >= 1 = the grouped kernel with up to k heads per program.
-DEFAULT_HEADS_PER_PROGRAM = 0
+# Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program;
+# k >= 1 = the grouped kernel with up to k heads per program. On the H200 (bench/README.md, run of
+# 86f85bd) the grouped kernel with 8 heads won at batch 256 (fp32 checkpoint, no read copy: 377 µs
+# against 442; rings 8 and 32 about 20 % faster; fp8 read copy a tie) and lost below it (batch 1:
+# 18 µs against 7), so it is the default from GROUPED_MIN_BATCH rows up.
+DEFAULT_HEADS_PER_PROGRAM = 8
+GROUPED_MIN_BATCH = 128
 GROUPED_WARPS = 4
 GROUPED_STAGES = 2
 
@@ -426,8 +430,8 @@ def launch_replay_decode(
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
     stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s.
-    ``heads_per_program`` picks the step kernel (None: ``DEFAULT_HEADS_PER_PROGRAM``; 0: one
-    head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
+    ``heads_per_program`` picks the step kernel (None: ``DEFAULT_HEADS_PER_PROGRAM`` from
+    ``GROUPED_MIN_BATCH`` rows up, else 0; 0: one head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
     kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
     batch, nheads, headdim = x.shape
@@ -454,7 +458,7 @@ def launch_replay_decode(
                       HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), BLOCK_L=block_l, **common)
     heads_per_group = nheads // ngroups
     if heads_per_program is None:
-        heads_per_program = DEFAULT_HEADS_PER_PROGRAM
+        heads_per_program = DEFAULT_HEADS_PER_PROGRAM if batch >= GROUPED_MIN_BATCH else 0
     if heads_per_program:
         per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
         block_p = step_block_p or triton.next_power_of_2(headdim)
