@@ -208,24 +208,47 @@ def _check_state(x: torch.Tensor, fmt: StateFormat) -> None:
         raise ValueError(f"x: block32 needs dstate % 32 == 0, got dstate {x.shape[-1]}")
 
 
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2**exponent`` as fp32 for int32 exponents in [-149, 127], built from its bits (exact,
+    subnormals included, and much faster than ``ldexp`` on the CPU)."""
+    normal = (exponent + 127).clamp(min=1) << 23
+    subnormal = 1 << (exponent + 149).clamp(min=0, max=22)
+    return torch.where(exponent >= -126, normal, subnormal).to(torch.int32).view(torch.float32)
+
+
+def grid_step(v: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Spacing of the code grid of a float ``fmt`` at each fp32 value ``v`` (in code units):
+    ``2**(max(floor(log2|v|), min_exponent) − mantissa_bits)``, read off the fp32 exponent bits
+    (zero and fp32 subnormals fall below every format's smallest normal exponent)."""
+    info = DTYPES[fmt.dtype]
+    biased = (v.float().view(torch.int32) >> 23) & 0xFF
+    return _power_of_two(torch.clamp(biased - 127, min=info.min_exponent) - info.mantissa_bits)
+
+
 def round_to_grid(v: torch.Tensor, fmt: StateFormat, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Round fp32 ``v`` (already clamped to ±qmax) onto the code grid of ``fmt``, in fp32.
 
     Round-to-nearest-even when ``noise`` is None, else ``floor(v / step + noise) * step`` with
-    ``noise`` uniform in [0, 1). The arithmetic is exact (power-of-two steps, done in fp64), so
-    the result is representable in the storage dtype and the final cast does no rounding.
+    ``noise`` uniform in [0, 1) and a multiple of 2**-24 (as ``torch.rand`` draws it; it is taken
+    as fp32). Every operation is exact in fp32: the steps are powers of two, ``v / step`` has
+    at most 12 integer bits, and ``floor(y + u)`` is ``floor(y) + [1 − u ≤ y − floor(y)]``, a
+    comparison of two exact values. So the result is representable in the storage dtype and the
+    final cast does no rounding.
     """
     info = DTYPES[fmt.dtype]
-    w = v.double()
-    if fmt.dtype == "int8":
-        step = torch.ones_like(w)
+    v = v.float()
+    step = None
+    if fmt.dtype != "int8":
+        step = grid_step(v, fmt)
+        v = v / step
+    if noise is None:
+        q = torch.round(v)
     else:
-        _, exp = torch.frexp(w)  # w = m · 2**exp with 0.5 <= |m| < 1
-        exponent = torch.clamp(exp.double() - 1, min=info.min_exponent)
-        step = torch.exp2(exponent - info.mantissa_bits)
-    q = w / step
-    q = torch.round(q) if noise is None else torch.floor(q + noise.double())
-    return torch.clamp(q * step, -info.qmax, info.qmax).float()
+        low = torch.floor(v)
+        q = low + ((1.0 - noise.float()) <= (v - low)).float()
+    if step is not None:
+        q = q * step
+    return torch.clamp(q, -info.qmax, info.qmax)
 
 
 def _group_amax(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
