@@ -353,6 +353,10 @@ def launch(
     config_p, block_n, warps = tile_config(state.element_size(), headdim, dstate, granularity, batch, nheads,
                                           state.device.type == "cuda")
     block_p = block_p or config_p
+    if granularity == codec.GRAN_HEAD:
+        # One scale per head: a tile must hold the whole head whatever a caller asks for (a
+        # 16-row override gave wrong codes on the H200, run 86f85bd).
+        block_p = max(block_p, triton.next_power_of_2(headdim))
     num_warps = num_warps or warps
     scale_strides = (0, 0, 0)
     if granularity == codec.GRAN_HEAD:
