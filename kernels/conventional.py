@@ -22,20 +22,11 @@ import triton
 import triton.language as tl
 
 from . import codec
+from .softplus import softplus
 
 OUT_FP32 = 0
 OUT_BF16 = 1
 OUT_FP16 = 2
-
-
-@triton.jit
-def _softplus(v):
-    # log1p(e) as log(1 + e) · e / ((1 + e) − 1): a few ulp where log(1 + e) alone loses the
-    # digits of small e; identity above 20 like the references.
-    e = tl.exp(v)
-    one_plus = 1.0 + e
-    log1p = tl.where(one_plus == 1.0, e, tl.log(one_plus) * e / (one_plus - 1.0))
-    return tl.where(v <= 20.0, log1p, v)
 
 
 @triton.jit
@@ -131,7 +122,7 @@ def _update_head(
     if HAS_BIAS:
         dt = dt + tl.load(dt_bias_ptr + head).to(tl.float32)
     if DT_SOFTPLUS:
-        dt = _softplus(dt)
+        dt = softplus(dt)
     decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
     x = x.to(tl.float32)
 

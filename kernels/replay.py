@@ -28,16 +28,7 @@ import triton
 import triton.language as tl
 
 from . import codec
-
-
-@triton.jit
-def _softplus(v):
-    # log1p(e) with log1p(w) = log(1 + w) · w / ((1 + w) − 1), accurate to a few ulp where
-    # log(1 + w) alone loses every digit (small w); identity above 20 as the references do.
-    e = tl.exp(v)
-    one_plus = 1.0 + e
-    log1p = tl.where(one_plus == 1.0, e, tl.log(one_plus) * e / (one_plus - 1.0))
-    return tl.where(v <= 20.0, log1p, v)
+from .softplus import softplus
 
 
 @triton.jit
@@ -46,7 +37,7 @@ def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.con
     if HAS_BIAS:
         dt += tl.load(dt_bias_ptr + h).to(tl.float32)
     if SOFTPLUS:
-        dt = _softplus(dt)
+        dt = softplus(dt)
     return dt
 
 
@@ -248,7 +239,7 @@ def _replay_step_grouped_kernel(
         if HAS_BIAS:
             dt += tl.load(dt_bias_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)
         if SOFTPLUS:
-            dt = _softplus(dt)
+            dt = softplus(dt)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
         ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
         ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from . import codec
 from .conventional import tile_config
-from .replay import _gate_and_store, _load_state, _num_sms, _process_dt, _softplus, _store_state
+from .replay import _gate_and_store, _load_state, _num_sms, _process_dt, _store_state
+from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
 ERROR_ACCEPTED_RANGE = 2
@@ -66,7 +67,7 @@ def _draft_outputs(
     if HAS_BIAS:
         dt_draft += tl.load(dt_bias_ptr + h).to(tl.float32)
     if SOFTPLUS:
-        dt_draft = _softplus(dt_draft)
+        dt_draft = softplus(dt_draft)
     dts = tl.where(committed, dt_ring, tl.where(is_draft, dt_draft, 0.0))  # [BLOCK_J]
     cum = tl.cumsum(dts, axis=0)  # Λ_j
     x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
