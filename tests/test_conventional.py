@@ -152,13 +152,14 @@ def test_tied_stride_form_equals_compact_form():
     assert torch.equal(y_a, y_b) and torch.equal(state_a, state_b)
 
 
-@pytest.mark.parametrize("text", ["fp32", "int8:row", "fp8_e4m3:head"])
-def test_slot_indices_padding_and_untouched_slots(text):
+def _check_padding_and_untouched_slots(text, nheads):
+    """Rows 1 (negative index) and 3 (pad_slot_id) output zero; slots 1, 2, 4, 5 stay bit for bit;
+    slots 3 and 0 hold one mirrored step of rows 0 and 2."""
     fmt = formats.StateFormat.parse(text)
-    shape = (6, 4, 16, 32)
+    shape = (6, nheads, 16, 32)
     q = _stored(fmt, shape)
     state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
-    inp = _inputs(4, 4, 16, 32, 2)
+    inp = _inputs(4, nheads, 16, 32, 2)
     indices = torch.tensor([3, -1, 0, 5], dtype=torch.int32)  # 5 is pad_slot_id below
     out = torch.full_like(inp["x"], float("nan"))
     qstate.selective_state_update(state, **inp, state_batch_indices=indices, state_scale=scale, state_format=text,
@@ -175,6 +176,11 @@ def test_slot_indices_padding_and_untouched_slots(text):
         expected = formats.quantize(S_ref, fmt)
         assert torch.equal(_bits(state[slot:slot + 1]), _bits(expected.data))
         assert _rel_rms(out[row:row + 1], y_ref) < 32 * 2**-24 * 4
+
+
+@pytest.mark.parametrize("text", ["fp32", "int8:row", "fp8_e4m3:head"])
+def test_slot_indices_padding_and_untouched_slots(text):
+    _check_padding_and_untouched_slots(text, nheads=4)
 
 
 def test_nan_in_one_slot_stays_there():
@@ -313,27 +319,7 @@ def test_variant_steps_codes_and_scales_bit_exact(use_variant, name, text, shape
 @pytest.mark.parametrize("text", ["int8:row", "fp8_e4m3:head"])
 def test_variant_padding_and_untouched_slots(use_variant, name, text):
     use_variant(VARIANTS[name], 8 if text != "fp8_e4m3:head" else None)
-    fmt = formats.StateFormat.parse(text)
-    shape = (6, 8, 16, 32)
-    q = _stored(fmt, shape)
-    state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
-    inp = _inputs(4, 8, 16, 32, 2)
-    indices = torch.tensor([3, -1, 0, 5], dtype=torch.int32)  # 5 is pad_slot_id below
-    out = torch.full_like(inp["x"], float("nan"))
-    qstate.selective_state_update(state, **inp, state_batch_indices=indices, state_scale=scale, state_format=text,
-                                  out=out, pad_slot_id=5)
-    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
-    for untouched in (1, 2, 4, 5):
-        assert torch.equal(_bits(state[untouched]), _bits(q.data[untouched]))
-        if scale is not None:
-            assert torch.equal(scale[untouched], q.scale[untouched])
-    values = formats.dequantize(q)
-    for row, slot in ((0, 3), (2, 0)):
-        one = {k: (v[row:row + 1] if k not in ("A", "D") else v) for k, v in inp.items()}
-        y_ref, S_ref = _mirror_step(values[slot:slot + 1], **one, exp=_numpy_exp)
-        expected = formats.quantize(S_ref, fmt)
-        assert torch.equal(_bits(state[slot:slot + 1]), _bits(expected.data))
-        assert _rel_rms(out[row:row + 1], y_ref) < 32 * 2**-24 * 4
+    _check_padding_and_untouched_slots(text, nheads=8)
 
 
 @pytest.mark.parametrize("name", ["default", "even-hpp2-prefetch"])

@@ -55,7 +55,13 @@ def _inner_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected unit stride in the last dimension, got strides {t.stride()}")
 
 
-def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache) -> None:
+def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str = "x") -> None:
+    """``slot_indices (batch,)`` or None (row i uses slot i; ``rows`` names the batch argument)."""
+    if slot_indices is None:
+        if batch > cache.num_slots:
+            raise ValueError(f"{rows}: without slot_indices row i uses slot i, so batch must be <= num_slots = "
+                             f"{cache.num_slots}, got {batch}")
+        return
     if not isinstance(slot_indices, torch.Tensor):
         raise TypeError(f"slot_indices: expected a torch.Tensor or None, got {type(slot_indices).__name__}")
     if slot_indices.dtype not in (torch.int32, torch.int64):
@@ -139,12 +145,7 @@ def replay_decode(
             _inner_contiguous(name, t)
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
-    if slot_indices is None:
-        if batch > cache.num_slots:
-            raise ValueError(f"x: without slot_indices row i uses slot i, so batch must be <= num_slots = "
-                             f"{cache.num_slots}, got {batch}")
-    else:
-        _check_slot_indices(slot_indices, batch, cache)
+    _check_slot_indices(slot_indices, batch, cache)
     if out is None:
         out = torch.empty((batch, H, P), dtype=x.dtype, device=x.device)
     else:

@@ -222,12 +222,7 @@ def replay_verify(
                             f"got {t.dtype}")
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
-    if slot_indices is None:
-        if batch > cache.num_slots:
-            raise ValueError(f"x: without slot_indices row i uses slot i, so batch must be <= num_slots = "
-                             f"{cache.num_slots}, got {batch}")
-    else:
-        _check_slot_indices(slot_indices, batch, cache)
+    _check_slot_indices(slot_indices, batch, cache)
     out = _check_out(out, batch, T, H, P, x)
     if batch == 0:
         return out
@@ -262,12 +257,7 @@ def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: 
         raise ValueError(f"num_accepted: expected shape (batch,), got {tuple(num_accepted.shape)}")
     batch = num_accepted.shape[0]
     _check_num_accepted(num_accepted, batch, cache.device)
-    if slot_indices is None:
-        if batch > cache.num_slots:
-            raise ValueError(f"num_accepted: without slot_indices row i uses slot i, so batch must be <= "
-                             f"num_slots = {cache.num_slots}, got {batch}")
-    else:
-        _check_slot_indices(slot_indices, batch, cache)
+    _check_slot_indices(slot_indices, batch, cache, rows="num_accepted")
     if batch == 0:
         return
     if _host_checks(cache.device):
