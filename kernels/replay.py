@@ -67,7 +67,11 @@ def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim
 def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, nheads, headdim, dstate,
                  DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
                  EMAX: tl.constexpr, HW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Quantize one head's fp32 tile with the codec, store codes and scales, return ``code · scale``."""
+    """Quantize one head's fp32 tile with the codec, store codes and scales, return ``code · scale``.
+
+    The returned values decode the codes with integer operations even on a GPU: the fp8 → fp32
+    conversion instruction applied to codes just encoded in registers gave NaN for some elements
+    in the verify flush kernel (triton 3.6, H200, run of 2026-11-29; kernels/README.md)."""
     base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
     inner = rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
     if STOCHASTIC:
@@ -76,7 +80,7 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
         u = 0.0
     if GRAN == 0:
         codes = codec.encode(codec.saturate(values, QMAX), u, DTYPE, STOCHASTIC, HW)
-        stored = codec.decode(codes, DTYPE, HW)
+        stored = codec.decode(codes, DTYPE, False)
     else:
         head = slot.to(tl.int64) * nheads + h
         magnitude = tl.where(mask, tl.abs(values), 0.0)
@@ -97,7 +101,7 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
             scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
         v = codec.saturate(codec.divide_rn(values, scale_tile, codec.reciprocal_rn(scale_tile), HW), QMAX)
         codes = codec.encode(v, u, DTYPE, STOCHASTIC, HW)
-        stored = codec.decode(codes, DTYPE, HW) * scale_tile
+        stored = codec.decode(codes, DTYPE, False) * scale_tile
     tl.store(codes_ptr + base + inner, codes, mask=mask)
     return stored
 
