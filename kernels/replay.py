@@ -64,14 +64,27 @@ def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim
 
 
 @triton.jit
+def _grid_values(v, u, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The values of the codes ``codec.encode(v, u, ...)`` gives, in fp32 (v saturated and scaled)."""
+    if STOCHASTIC:
+        g = codec.round_sr(v, u, DTYPE)
+    else:
+        g = codec.round_rne(v, DTYPE)
+    if DTYPE == 5:
+        g = tl.where(g == 0.0, 0.0, g)  # int8 has no −0: a code 0 decodes to +0
+    return g
+
+
+@triton.jit
 def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, nheads, headdim, dstate,
                  DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
                  EMAX: tl.constexpr, HW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Quantize one head's fp32 tile with the codec, store codes and scales, return ``code · scale``.
 
-    The returned values decode the codes with integer operations even on a GPU: the fp8 → fp32
-    conversion instruction applied to codes just encoded in registers gave NaN for some elements
-    in the verify flush kernel (triton 3.6, H200, run of 2026-11-29; kernels/README.md)."""
+    The returned values are the grid values computed in fp32 (equal to the codes' values), not
+    the codes decoded back: in the verify flush kernel the 8-bit code tensor read back in
+    registers gave NaN or wrong values on the H200 (triton 3.6), though the same rounding in
+    fp32 is exact on both the GPU and the interpreter (kernels/README.md, codec)."""
     base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
     inner = rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
     if STOCHASTIC:
@@ -79,8 +92,9 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
     else:
         u = 0.0
     if GRAN == 0:
-        codes = codec.encode(codec.saturate(values, QMAX), u, DTYPE, STOCHASTIC, HW)
-        stored = codec.decode(codes, DTYPE, False)
+        saturated = codec.saturate(values, QMAX)
+        codes = codec.encode(saturated, u, DTYPE, STOCHASTIC, HW)
+        stored = _grid_values(saturated, u, DTYPE, STOCHASTIC)
     else:
         head = slot.to(tl.int64) * nheads + h
         magnitude = tl.where(mask, tl.abs(values), 0.0)
@@ -101,7 +115,7 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
             scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
         v = codec.saturate(codec.divide_rn(values, scale_tile, codec.reciprocal_rn(scale_tile), HW), QMAX)
         codes = codec.encode(v, u, DTYPE, STOCHASTIC, HW)
-        stored = codec.decode(codes, DTYPE, False) * scale_tile
+        stored = _grid_values(v, u, DTYPE, STOCHASTIC) * scale_tile
     tl.store(codes_ptr + base + inner, codes, mask=mask)
     return stored
 
