@@ -162,15 +162,18 @@ def _replay_step_kernel(
         bad = tl.where(slot < 0, 0.0, float("nan"))
         tl.store(y_ptrs, (tl.zeros([BLOCK_P], tl.float32) + bad).to(y_ptrs.dtype.element_ty), mask=mask_p)
     else:
-        # Loads that do not depend on the cursor go first, so their latency overlaps its load.
+        # Loads that do not depend on the cursor go first, so their latency overlaps its load;
+        # the state tile is reduced to S·C at once, so it does not hold registers through the
+        # ring work (127 → fewer registers per thread, more programs resident per SM).
         mask = mask_p[:, None] & mask_n[None, :]
         state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                             DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+        C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
         dt = _process_dt(dt_ptr + b * stride_dt_b + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
-        C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
         n = tl.load(cursor_ptr + slot)
+        state_C = tl.sum(state * C_t[None, :], axis=1)  # [BLOCK_P]
         full = n == L - 1
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
@@ -201,7 +204,7 @@ def _replay_step_kernel(
                              mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
             x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
             y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
-            y = tl.exp(A * total) * tl.sum(state * C_t[None, :], axis=1) + y_ring
+            y = tl.exp(A * total) * state_C + y_ring
             _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
                             mask_p, D_ptr, h, HAS_D, HAS_Z)
 
@@ -295,6 +298,7 @@ def _replay_step_grouped_kernel(
                 state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask, nheads, HEADDIM,
                                     DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
                 x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                state_C = tl.sum(state * C_t[None, :], axis=1)  # [BLOCK_P]; frees the tile's registers
                 tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
                 x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
                                  mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
@@ -302,7 +306,7 @@ def _replay_step_grouped_kernel(
                 x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
                 coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
                 y_ring = tl.sum(coef[:, None] * x_ring, axis=0)  # [BLOCK_P]
-                y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * tl.sum(state * C_t[None, :], axis=1) + y_ring
+                y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * state_C + y_ring
                 if HAS_D:
                     y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
                 if HAS_Z:
