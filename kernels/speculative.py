@@ -52,16 +52,35 @@ def _draft_outputs(
     headdim, dstate,
     CAP: tl.constexpr, T: tl.constexpr, APPEND: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The T outputs of one (row, head, P-tile) from ``state`` ([BLOCK_P, BLOCK_N] fp32, the
     values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
     joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
-    ``APPEND`` also stores the drafts into the ring at ``n + i``."""
+    ``APPEND`` also stores the drafts into the ring at ``n + i``.
+
+    Each large tile is reduced as soon as it is loaded (the state to S·C_i, the ring's B to
+    B_j·C_i, for every draft i), so no two of them hold registers at once."""
+    ts = tl.arange(0, BLOCK_T)
+    SC = tl.zeros([BLOCK_P, BLOCK_T], tl.float32)  # S · C_i, column i
+    for i in tl.static_range(T):
+        C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                      other=0.0).to(tl.float32)
+        SC = tl.where(ts[None, :] == i, tl.sum(state * C_i[None, :], axis=1)[:, None], SC)
     js = tl.arange(0, BLOCK_J)
     committed = js < n
     is_draft = (js >= n) & (js < n + T)
     d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
+    B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
+                     mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
+                    mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
+    BC = tl.zeros([BLOCK_J, BLOCK_T], tl.float32)  # B_j · C_i, column i
+    for i in tl.static_range(T):
+        C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                      other=0.0).to(tl.float32)
+        BC = tl.where(ts[None, :] == i, tl.sum(B_all * C_i[None, :], axis=1)[:, None], BC)
     dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
     dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -75,20 +94,13 @@ def _draft_outputs(
     x_new = tl.load(x_ptr + b * stride_x_b + d[:, None] * stride_x_t + h * stride_x_h + rows[None, :],
                     mask=is_draft[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     x_all = tl.where(committed[:, None], x_ring, x_new)  # [BLOCK_J, BLOCK_P]
-    B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
-                     mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
-                    mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
     for i in tl.static_range(T):
         position = n + i
         lam = tl.sum(tl.where(js == position, cum, 0.0), axis=0)  # Λ at draft i
         weights = tl.where(js <= position, tl.exp(A * (lam - cum)) * dts, 0.0)  # [BLOCK_J]
-        C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
-                      other=0.0).to(tl.float32)
-        BC = tl.sum(B_all * C_i[None, :], axis=1)  # [BLOCK_J]
-        y_ring = tl.sum((weights * BC)[:, None] * x_all, axis=0)  # [BLOCK_P]
-        y = tl.exp(A * lam) * tl.sum(state * C_i[None, :], axis=1) + y_ring
+        BC_i = tl.sum(tl.where(ts[None, :] == i, BC, 0.0), axis=1)  # [BLOCK_J]
+        y_ring = tl.sum((weights * BC_i)[:, None] * x_all, axis=0)  # [BLOCK_P]
+        y = tl.exp(A * lam) * tl.sum(tl.where(ts[None, :] == i, SC, 0.0), axis=1) + y_ring
         x_i = tl.load(x_ptr + b * stride_x_b + i * stride_x_t + h * stride_x_h + rows, mask=mask_p, other=0.0)
         _gate_and_store(y, x_i.to(tl.float32), y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows,
                         z_ptr + b * stride_z_b + i * stride_z_t + h * stride_z_h + rows, mask_p, D_ptr, h,
@@ -114,7 +126,7 @@ def _verify_kernel(
     CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     h = tl.program_id(0) // NUM_P_TILES
     p_tile = tl.program_id(0) % NUM_P_TILES
@@ -155,6 +167,7 @@ def _verify_kernel(
                 stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
                 stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
                 stride_y_h, headdim, dstate, CAP, T, True, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+                BLOCK_T,
             )
 
 
@@ -173,7 +186,7 @@ def _verify_flush_kernel(
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1) // NUM_P_TILES
@@ -224,6 +237,7 @@ def _verify_flush_kernel(
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
             stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
             stride_y_h, headdim, dstate, CAP, T, False, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+            BLOCK_T,
         )
 
 
@@ -415,11 +429,15 @@ def launch_replay_verify(
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     block_n = max(32, triton.next_power_of_2(dstate))
     block_j = max(16, triton.next_power_of_2(cap))
+    block_t = max(2, triton.next_power_of_2(T))
     whole_state_head = state_fmt.granularity == "head"
     wide_state = state_fmt.dtype == "fp32"
+    # 32-row tiles, with 4 warps for an fp32 state and 2 for a narrower one, were the fastest
+    # verify tiles on the H200 (batch 256, T = 4: 1154 and 798 µs; bench/README.md).
     if block_p is None:
-        block_p = triton.next_power_of_2(headdim) if whole_state_head else \
-            min(triton.next_power_of_2(headdim), 32 if wide_state else 64)
+        block_p = triton.next_power_of_2(headdim) if whole_state_head else min(triton.next_power_of_2(headdim), 32)
+    if num_warps is None:
+        num_warps = 4 if wide_state or whole_state_head else 2
     num_p_tiles = triton.cdiv(headdim, block_p)
     z_arg = z if z is not None else dummy
     slots_arg = slot_indices if slot_indices is not None else dummy
@@ -434,8 +452,8 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, cursor, generation, drafts, flush_rows, flush_counters,
         *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n,
-        num_warps=num_warps or 4, **flags,
+        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        num_warps=num_warps, **flags,
     )
     # The flush walks the list in a few programs per multiprocessor; 16-row tiles keep its
     # registers low (a per-head scale needs the whole head in one tile).
@@ -451,7 +469,8 @@ def launch_replay_verify(
         *strides, nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
         **_format_constants(read_format, "RD_"), HW=hw, NUM_P_TILES=flush_p_tiles,
-        BLOCK_J=block_j, BLOCK_P=flush_block_p, BLOCK_N=block_n, num_warps=8 if whole_head else 4, **flags,
+        BLOCK_J=block_j, BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        num_warps=8 if whole_head else 4, **flags,
     )
     append_programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads)))
     _verify_append_kernel[(append_programs, nheads)](
