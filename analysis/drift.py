@@ -5,9 +5,11 @@ Measures (per scheme, recorded step and head; definitions in ``analysis/README.m
 * output error ``‖y − y_ref‖ / ‖y_ref‖`` (norms over batch × headdim);
 * state error ``‖S − S_ref‖ / ‖S_ref‖`` (over batch × headdim × dstate; for replay the state the
   checkpoint and ring stand for);
-* stalled fraction: the share of stored elements a step left unchanged (conventional), or a
-  flush left unchanged in the checkpoint (replay). A head is *stagnated* when its mean stalled
-  fraction over the second half of the recorded steps exceeds one half.
+* stalled fraction: the share of stored elements whose code (the grid value before the scale
+  multiply; for unscaled formats the value) a step left unchanged (conventional), or a flush left
+  unchanged in the checkpoint (replay). A head is *stagnated* when its mean stalled fraction over
+  the second half of the recorded steps exceeds one half (round to nearest only: stochastic
+  rounding leaves codes in place without bias).
 
 A scheme whose outputs turn NaN or infinite is marked failed at the first step where that is
 seen (every step is checked); its numbers are then NaN and its summary row says ``failed``.
@@ -160,8 +162,9 @@ def simulate(
             outputs = {}
             if conv:
                 torch.mul(s.dx32[i][..., None], s.B32[i][..., None, :], out=outer32)
+                keep_codes = r is not None or t + 1 in record_index  # a stall compares two steps' codes
                 for j, c in conv.items():
-                    outputs[j] = c.step(s, i, outer32, keep_previous=r is not None)
+                    outputs[j] = c.step(s, i, outer32, keep_codes)
             for L, g in groups.items():
                 ys = g.step(s, i, exact.state)
                 for k, j in enumerate(group_idx[L]):
@@ -231,6 +234,12 @@ class Summary(list):
         return Summary(item) if isinstance(index, slice) else item
 
 
+def _rounds_stochastically(scheme) -> bool:
+    """Whether the stored state the stalled fraction looks at (the state, or the checkpoint) uses
+    stochastic rounding."""
+    return (scheme.checkpoint if scheme.is_replay else scheme.fmt).stochastic
+
+
 def _growth_exponent(steps: np.ndarray, err: np.ndarray) -> float:
     """Slope of log(error) against log(step) over the second half of the run (scipy linregress)."""
     from scipy import stats
@@ -268,7 +277,11 @@ class DriftResult:
         return np.sqrt(np.mean(self.output_error[j] ** 2, axis=1))
 
     def stagnated(self, j: int) -> np.ndarray:
-        """Per head: mean stalled fraction over the second half of the recorded steps > 1/2."""
+        """Per head: mean stalled fraction over the second half of the recorded steps > 1/2, for
+        round to nearest. A code that stochastic rounding leaves in place moves on a later step
+        with the probability that keeps the state unbiased, so it never counts as stagnation."""
+        if _rounds_stochastically(self.schemes[j]):
+            return np.zeros(len(self.heads), dtype=bool)
         half = self.recorded_steps >= self.recorded_steps[-1] / 2
         return np.nanmean(self.stalled[j][half], axis=0) > STAGNATION_THRESHOLD
 

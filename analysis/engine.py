@@ -96,25 +96,32 @@ class Exact:
 
 
 class Conventional:
-    """One conventional scheme: the stored state's fp32 values ``[batch, heads, headdim, dstate]``."""
+    """One conventional scheme: the stored state's fp32 values ``[batch, heads, headdim, dstate]``,
+    and its codes (grid values before the scale multiply) at the steps the caller asks for."""
 
     def __init__(self, scheme: Scheme, state0: torch.Tensor, generator: Optional[torch.Generator]):
         self.scheme, self.fmt, self.generator = scheme, scheme.fmt, generator
-        self.state = roundtrip_(state0.to(torch.float32).clone(), self.fmt, generator)
-        self.previous: Optional[torch.Tensor] = None
+        self.codes = torch.empty(state0.shape, dtype=torch.float32, device=state0.device)
+        self.previous_codes = torch.empty_like(self.codes)
+        self.state = roundtrip_(state0.to(torch.float32).clone(), self.fmt, generator, codes_out=self.codes)
 
-    def step(self, s: StepInputs, i: int, outer32: torch.Tensor, keep_previous: bool) -> torch.Tensor:
-        """``outer32 = (dt·x) ⊗ B`` in fp32, shared by all conventional schemes of the step."""
-        self.previous = self.state.clone() if keep_previous else None
+    def step(self, s: StepInputs, i: int, outer32: torch.Tensor, keep_codes: bool) -> torch.Tensor:
+        """``outer32 = (dt·x) ⊗ B`` in fp32, shared by all conventional schemes of the step.
+        ``keep_codes``: keep this step's codes; :meth:`stalled` compares them with the previous
+        step's, so keep them at every step whose stall is measured and at the step before it
+        (a pass over the state that the other steps save)."""
         self.state.mul_(s.a32[i][..., None, None]).add_(outer32)
         y = torch.matmul(self.state, s.C32[i][..., None])[..., 0]
         y = _gated(y, s.Dx32[i], s.gate32[i] if s.gate32 is not None else None)
-        roundtrip_(self.state, self.fmt, self.generator)
+        if keep_codes:
+            self.previous_codes, self.codes = self.codes, self.previous_codes
+        roundtrip_(self.state, self.fmt, self.generator, codes_out=self.codes if keep_codes else None)
         return y
 
     def stalled(self) -> torch.Tensor:
-        """Per head: fraction of stored elements this step left unchanged ``[heads]``."""
-        return (self.state == self.previous).to(torch.float64).mean(dim=(0, 2, 3))
+        """Per head: fraction of stored codes this step left unchanged ``[heads]`` (a scale that
+        follows the row maximum moves the values of a row whose codes stay)."""
+        return (self.codes == self.previous_codes).to(torch.float64).mean(dim=(0, 2, 3))
 
     def state_error_sq(self, exact: torch.Tensor) -> torch.Tensor:
         """``Σ (S̃ − S)²`` per head over (batch, headdim, dstate) ``[heads]``."""
@@ -135,6 +142,7 @@ class ReplayGroup:
         self.count = 0
         k = len(schemes)
         self.checkpoint = torch.empty(k, batch, heads, P, N, dtype=f, device=dev)  # stored values
+        self.checkpoint_codes = torch.empty(k, batch, heads, P, N, dtype=torch.float32, device=dev)
         self.read = torch.empty_like(self.checkpoint)  # what normal steps read
         exact0 = state0.to(f)
         self._store(exact0.expand(k, -1, -1, -1, -1))
@@ -143,10 +151,11 @@ class ReplayGroup:
         self.decay = torch.ones(batch, heads, dtype=f, device=dev)
 
     def _store(self, folded: torch.Tensor) -> None:
-        """Round the folded states to fp32, store checkpoints and rebuild read copies (in order per
-        scheme: checkpoint then read copy, like :func:`decode_replay` draws its noise)."""
+        """Round the folded states to fp32, store checkpoints (values and codes) and rebuild read
+        copies (in order per scheme: checkpoint then read copy, like :func:`decode_replay` draws its
+        noise)."""
         for j, (scheme, gen) in enumerate(zip(self.schemes, self.generators)):
-            ck = roundtrip_(folded[j].to(torch.float32), scheme.checkpoint, gen)
+            ck = roundtrip_(folded[j].to(torch.float32), scheme.checkpoint, gen, codes_out=self.checkpoint_codes[j])
             self.checkpoint[j].copy_(ck)
             if scheme.read is None:
                 self.read[j].copy_(ck)
@@ -174,9 +183,9 @@ class ReplayGroup:
 
     def _flush(self, decay, w, exact_state) -> None:
         fold = torch.einsum("lbh,lbhp,lbhn->bhpn", w, self.ring_x, self.ring_B)
-        previous = self.checkpoint.clone()
+        previous_codes = self.checkpoint_codes.clone()
         self._store(decay[..., None, None] * self.checkpoint + fold)
-        self.stall = (self.checkpoint == previous).to(torch.float64).mean(dim=(1, 3, 4))
+        self.stall = (self.checkpoint_codes == previous_codes).to(torch.float64).mean(dim=(1, 3, 4))
         self.ck_error_sq = (self.checkpoint - exact_state).square().sum(dim=(3, 4))
         self.decay = torch.ones_like(decay)
         self.count = 0

@@ -12,7 +12,12 @@ those values with as few passes over memory as torch allows, bit for bit equal t
   generator seeded like the one given to :func:`qstate.reference.decode_naive` draws the same
   noise, and rounds with the same exact fp32 arithmetic as :func:`qstate.formats.round_to_grid`.
 
-``tests/test_schemes.py`` checks the equality on values spanning subnormals, ties and saturation.
+On request it also gives the codes: the grid values before the scale multiply, equal to
+``quantize(...).data.float()`` (for unscaled formats the values themselves). The drift engine
+compares them between steps: with a per-row or per-head scale the values change whenever the
+row maximum does, the codes only when the rounding moves.
+
+``tests/test_schemes.py`` checks both equalities on values spanning subnormals, ties and saturation.
 """
 
 from __future__ import annotations
@@ -40,9 +45,14 @@ def _scale(grouped: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(amax), shared)
 
 
-def roundtrip_(values: torch.Tensor, fmt: StateFormat, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Replace fp32 ``values (..., headdim, dstate)`` by their stored-and-reloaded values; returns it."""
+def roundtrip_(values: torch.Tensor, fmt: StateFormat, generator: Optional[torch.Generator] = None,
+               codes_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Replace fp32 ``values (..., headdim, dstate)`` by their stored-and-reloaded values; returns it.
+    ``codes_out`` (fp32, shaped like ``values``), when given, receives the codes as grid
+    values: ``quantize(values, fmt).data.float()``."""
     if fmt.dtype == "fp32":
+        if codes_out is not None:
+            codes_out.copy_(values)
         return values
     if fmt.stochastic:
         # The same draw as quantize() makes, so a generator seeded like decode_naive's agrees.
@@ -59,6 +69,8 @@ def roundtrip_(values: torch.Tensor, fmt: StateFormat, generator: Optional[torch
         grouped.round_()
     else:
         grouped.copy_(grouped.to(fmt.storage_dtype))
+    if codes_out is not None:
+        codes_out.copy_(values)
     if scale is not None:
         grouped.mul_(scale)
     return values

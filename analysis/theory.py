@@ -11,8 +11,12 @@ rows; round-to-nearest ``E[step²]/12``, stochastic ``E[step²]/6``).
   ``σ_e²(t) = Σ_k a^{2(t−k)}·r²·σ_S²(k)``: ``r·σ_S / sqrt(1 − a²)``-like steady state,
   ``sqrt(t)`` growth while ``t ≪ 1 / (1 − a)``;
 * round to nearest, small increments: an update below half a step is lost (the dead band,
-  :func:`dead_band`); a head stagnates when the typical increment ``u`` is below the typical
-  half step at the exact state's size, ``sqrt(1 − a²) < sqrt(3)·r`` (:func:`stagnation_predicted`);
+  :func:`dead_band`); a head stagnates when one step at the exact steady state leaves most stored
+  codes unchanged (:func:`predicted_stalled_fraction` above the drift measure's threshold,
+  :func:`stagnation_predicted`). Half steps differ element by element (float grids: with the
+  binade; scales: with the row or head maximum) and so do increments (``x_p·B_n``), so it is the
+  median element, not the rms one, that decides: ``fp8_e4m3:row`` stalls most codes from
+  ``a ≈ 0.9975``, where ``sqrt(1 − a²)`` is still 1.6 times ``sqrt(3)·r``;
 * replay read copy: one quantization of the checkpoint, decayed: ``a^k·r_read·σ_S(c)`` ``k`` steps
   after the flush at step ``c``;
 * quantized checkpoint: one rounding per flush, carried: ``ε_m = a^L·ε_{m−1} + δ_m``.
@@ -34,13 +38,15 @@ import torch
 from qstate import profiles as _profiles
 from qstate.formats import StateFormat, as_format, dequantize, quantize
 
+from .drift import STAGNATION_THRESHOLD
 from .schemes import Scheme
 
-__all__ = ["Prediction", "rounding_rms", "dead_band", "stagnation_predicted", "predict", "head_parameters",
-           "synthetic_inputs", "DT_NOISE", "UNBIASED_MARGIN"]
+__all__ = ["Prediction", "rounding_rms", "dead_band", "predicted_stalled_fraction", "stagnation_predicted",
+           "predict", "head_parameters", "synthetic_inputs", "DT_NOISE", "UNBIASED_MARGIN"]
 
 DT_NOISE = 0.5  # std of dt_raw per token around dt_bias, as profiles.Profile.sample_inputs draws it
 UNBIASED_MARGIN = 2.0 * math.sqrt(12.0)  # increments this many rounding rms above: RNE acts unbiased
+_MONTE_CARLO_VALUES = 1 << 20  # state elements of the fixed-seed samples below
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +58,7 @@ def rounding_rms(fmt, dstate: int = 128, headdim: int = 64) -> float:
     if fmt.dtype == "fp32":
         return 2.0**-24 / math.sqrt(3.0)  # half an ulp, uniform: (2^-23 · |v|)²/12 relative
     gen = torch.Generator().manual_seed(0)
-    blocks = max(1, (1 << 20) // (headdim * dstate))
+    blocks = max(1, _MONTE_CARLO_VALUES // (headdim * dstate))
     v = torch.randn(blocks, headdim, dstate, generator=gen)
     q = dequantize(quantize(v, fmt, generator=gen))
     return float(((q - v).double().square().mean() / v.double().square().mean()).sqrt())
@@ -87,13 +93,42 @@ def dead_band(fmt, value, decay, increment) -> torch.Tensor:
     return torch.where(change >= 0, change < above / 2, -change < below / 2)
 
 
+@functools.lru_cache(maxsize=2)
+def _steady_state_sample(fmt: StateFormat, dstate: int, headdim: int):
+    """Fixed-seed sample of the exact steady state, relative to its rms: ``S ~ N(0, 1)`` in
+    ``(headdim, dstate)`` blocks, stored (codes and dequantized values), and unit-rms increments
+    ``x ⊗ B`` with ``x, B ~ N(0, 1)`` per block. Kept for the next decay (a report asks per head)."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = max(1, _MONTE_CARLO_VALUES // (headdim * dstate))
+    state = torch.randn(blocks, headdim, dstate, generator=gen)
+    outer = torch.randn(blocks, headdim, 1, generator=gen) * torch.randn(blocks, 1, dstate, generator=gen)
+    stored = quantize(state, fmt, generator=gen)
+    return stored.data.float(), dequantize(stored), outer
+
+
+@functools.lru_cache(maxsize=None)
+def predicted_stalled_fraction(fmt, decay: float, dstate: int = 128, headdim: int = 64) -> float:
+    """Share of stored codes that one step ``S̃ ← Q(a·S̃ + d)`` leaves unchanged at the exact steady
+    state (fixed-seed Monte Carlo over 2**20 elements): ``S̃ = Q(S)`` with ``S ~ N(0, 1)``, increments
+    ``d = sqrt(1 − a²)·x ⊗ B`` (the steady state's increment relative to ``σ_S``), codes compared as
+    :func:`qstate.formats.quantize` gives them. The drift measure's stalled fraction, predicted."""
+    fmt = as_format(fmt)
+    codes, stored, outer = _steady_state_sample(fmt, dstate, headdim)
+    decay = float(decay)
+    increment = math.sqrt(max(0.0, 1.0 - decay * decay))
+    step = quantize(decay * stored + increment * outer, fmt, generator=torch.Generator().manual_seed(1))
+    return float((step.data.float() == codes).double().mean())
+
+
 def stagnation_predicted(fmt, decay: float, dstate: int = 128, headdim: int = 64) -> bool:
-    """Round to nearest with Gaussian increments: the rms increment ``u`` falls below the rms half
-    step ``sqrt(3)·r·σ_S`` at the exact steady state ``σ_S = u / sqrt(1 − a²)``."""
+    """Round to nearest: most stored codes stop moving at the exact steady state
+    (:func:`predicted_stalled_fraction` above the threshold the drift measure uses). Stochastic
+    rounding is unbiased, so its state follows the exact one however small the increments; fp32
+    is the reference."""
     fmt = as_format(fmt)
     if fmt.stochastic or fmt.dtype == "fp32":
         return False
-    return math.sqrt(max(0.0, 1.0 - decay**2)) < math.sqrt(3.0) * rounding_rms(fmt, dstate, headdim)
+    return predicted_stalled_fraction(fmt, decay, dstate, headdim) > STAGNATION_THRESHOLD
 
 
 @dataclasses.dataclass

@@ -52,6 +52,49 @@ def test_engine_reproduces_the_references(run):
                                        rtol=0, atol=1e-5, err_msg=str(scheme))
 
 
+def _reference_codes(monkeypatch, fmt: str) -> list:
+    """The codes (grid values) of every state the reference stores in ``fmt``, in order."""
+    stored, quantize = [], reference.quantize
+
+    def recording(x, f, **kwargs):
+        q = quantize(x, f, **kwargs)
+        if str(q.fmt) == fmt:
+            stored.append(q.data.float())
+        return q
+
+    monkeypatch.setattr(reference, "quantize", recording)
+    return stored
+
+
+def _unchanged(new, old):
+    return (new == old).double().mean(dim=(0, 2, 3)).numpy()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3:row", "int8:row", "bf16"])
+def test_conventional_stall_counts_unchanged_codes(monkeypatch, fmt):
+    # Recording every 3rd step: the engine keeps codes only at a recorded step and the one before.
+    inputs = TINY.sample_inputs(T, BATCH, seed=SEED)
+    result = simulate(TINY, [fmt], T, inputs=inputs, every=3)
+    codes = _reference_codes(monkeypatch, fmt)
+    reference.decode_naive(**inputs.kwargs(), fmt=fmt)
+    assert len(codes) == T + 1  # the initial state, then one per step
+    for r, t in enumerate(result.recorded_steps):
+        np.testing.assert_array_equal(result.stalled[0, r], _unchanged(codes[t], codes[t - 1]), err_msg=f"step {t}")
+
+
+def test_replay_stall_counts_unchanged_checkpoint_codes(monkeypatch):
+    L, ck = 5, "int8:row"
+    inputs = TINY.sample_inputs(T, BATCH, seed=SEED)
+    result = simulate(TINY, [f"replay/{ck}/fp8_e4m3:row/{L}"], T, inputs=inputs)
+    codes = _reference_codes(monkeypatch, ck)
+    reference.decode_replay(**inputs.kwargs(), checkpoint=ck, read="fp8_e4m3:row", ring_len=L)
+    assert len(codes) == T // L + 1  # the initial checkpoint, then one per flush
+    for r, t in enumerate(result.recorded_steps):
+        flushes = t // L  # the stall of the last flush holds until the next one
+        expected = _unchanged(codes[flushes], codes[flushes - 1]) if flushes else np.zeros(TINY.nheads)
+        np.testing.assert_array_equal(result.stalled[0, r], expected, err_msg=f"step {t}")
+
+
 def test_records_every_kth_step_and_the_last():
     result = simulate(TINY, ["fp32"], 10, batch=1, every=4)
     assert result.recorded_steps.tolist() == [4, 8, 10]

@@ -74,14 +74,20 @@ def _awkward_values():
 def test_roundtrip_equals_quantize_dequantize(fmt):
     x = _awkward_values()
     fmt = StateFormat.parse(fmt)
-    expected = dequantize(quantize(x, fmt))
-    got = roundtrip_(x.clone(), fmt)
-    assert torch.equal(got, expected)  # value equality (int8 may keep the sign of a zero)
+    q = quantize(x, fmt)
+    codes = torch.full_like(x, float("nan"))
+    got = roundtrip_(x.clone(), fmt, codes_out=codes)
+    assert torch.equal(got, dequantize(q))  # value equality (int8 may keep the sign of a zero)
+    # The grid values of the codes, before the scale; bit for bit except that int8 keeps no −0.0.
+    assert torch.equal(codes, q.data.float())
 
 
-def test_roundtrip_stochastic_draws_like_quantize():
+@pytest.mark.parametrize("fmt", ["fp8_e4m3:row+sr", "int8:block32+sr", "bf16+sr"])
+def test_roundtrip_stochastic_draws_like_quantize(fmt):
     x = _awkward_values()
-    fmt = StateFormat.parse("fp8_e4m3:row+sr")
-    expected = dequantize(quantize(x, fmt, generator=torch.Generator().manual_seed(5)))
-    got = roundtrip_(x.clone(), fmt, torch.Generator().manual_seed(5))
-    assert torch.equal(got, expected)
+    fmt = StateFormat.parse(fmt)
+    q = quantize(x, fmt, generator=torch.Generator().manual_seed(5))
+    codes = torch.empty_like(x)
+    got = roundtrip_(x.clone(), fmt, torch.Generator().manual_seed(5), codes_out=codes)
+    assert torch.equal(got, dequantize(q))
+    assert torch.equal(codes, q.data.float())
