@@ -10,11 +10,12 @@ Verify, three launches that keep every decision on the device:
   checkpoint), the ``n`` committed ring tokens and the drafts, causally, and appends the drafts
   at ``n … n+T−1``.
 * ``_verify_flush_kernel``, grid ``(G, nheads × P-tiles)``: for each listed row folds the ``n``
-  committed tokens into the checkpoint (fp32, from the stored checkpoint), stores it and the
-  read copy, and computes the T outputs from the new read copy and the drafts alone.
-* ``_verify_append_kernel``, grid ``(G, nheads)``: writes the listed rows' drafts at ``0 … T−1``
-  (after the fold has read the old tokens there), then its last program sets their cursors to
-  0 and clears the list.
+  committed tokens into the checkpoint (fp32, from the stored checkpoint) and stores it and the
+  read copy. It computes no outputs: their registers made it the slowest kernel of a round.
+* ``_verify_flushed_rows_kernel``, grid ``(G, nheads × P-tiles)``: for each listed row, the
+  verify kernel's work at cursor 0 over the new read copy (T outputs, drafts appended at
+  ``0 … T−1``, after the fold has read the old tokens there); its last program sets the
+  listed cursors to 0 and clears the list.
 
 Every live row's ``drafts[slot]`` becomes T. ``_commit_kernel`` moves ``cursor += accepted``
 and zeroes ``drafts``; a row with no pending drafts or ``accepted`` outside ``0 … drafts``
@@ -50,14 +51,14 @@ def _draft_outputs(
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     headdim, dstate,
-    CAP: tl.constexpr, T: tl.constexpr, APPEND: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    CAP: tl.constexpr, T: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The T outputs of one (row, head, P-tile) from ``state`` ([BLOCK_P, BLOCK_N] fp32, the
     values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
     joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
-    ``APPEND`` also stores the drafts into the ring at ``n + i``.
+    The drafts are also stored into the ring at ``n + i``.
 
     Each large tile is reduced as soon as it is loaded (the state to S·C_i, the ring's B to
     B_j·C_i, for every draft i), so no two of them hold registers at once."""
@@ -105,14 +106,13 @@ def _draft_outputs(
         _gate_and_store(y, x_i.to(tl.float32), y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows,
                         z_ptr + b * stride_z_b + i * stride_z_t + h * stride_z_h + rows, mask_p, D_ptr, h,
                         HAS_D, HAS_Z)
-        if APPEND:
-            tl.store(ring_x_ptr + (ring_head * CAP + position) * headdim + rows, x_i, mask=mask_p)
-            if p_tile == 0:
-                tl.store(ring_dt_ptr + ring_head * CAP + position, tl.sum(tl.where(js == position, dts, 0.0), axis=0))
-                if h % heads_per_group == 0:
-                    B_i = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n,
-                                  other=0.0)
-                    tl.store(ring_B_ptr + (ring_group * CAP + position) * dstate + cols, B_i, mask=mask_n)
+        tl.store(ring_x_ptr + (ring_head * CAP + position) * headdim + rows, x_i, mask=mask_p)
+        if p_tile == 0:
+            tl.store(ring_dt_ptr + ring_head * CAP + position, tl.sum(tl.where(js == position, dts, 0.0), axis=0))
+            if h % heads_per_group == 0:
+                B_i = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n,
+                              other=0.0)
+                tl.store(ring_B_ptr + (ring_group * CAP + position) * dstate + cols, B_i, mask=mask_n)
 
 
 @triton.jit
@@ -166,27 +166,23 @@ def _verify_kernel(
                 ring_head, ring_group, p_tile, heads_per_group,
                 stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
                 stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-                stride_y_h, headdim, dstate, CAP, T, True, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+                stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
                 BLOCK_T,
             )
 
 
 @triton.jit
 def _verify_flush_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
-    ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+    A_ptr, slot_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
     cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
-    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     nheads, headdim, dstate, heads_per_group,
-    CAP: tl.constexpr, T: tl.constexpr,
+    CAP: tl.constexpr,
     CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
     CK_EMAX: tl.constexpr,
     HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr, CHUNK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1) // NUM_P_TILES
@@ -207,57 +203,61 @@ def _verify_flush_kernel(
             slot = tl.load(slot_ptr + b).to(tl.int32)
         else:
             slot = b
-        n = tl.load(cursor_ptr + slot)  # committed tokens; the append kernel zeroes it later
+        n = tl.load(cursor_ptr + slot)  # committed tokens; the drafts kernel zeroes it later
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-        committed = js < n
-        dts = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)  # [BLOCK_J]
-        total = tl.sum(dts, axis=0)
-        weights = tl.exp(A * (total - tl.cumsum(dts, axis=0))) * dts
-        x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
-                         mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [BLOCK_J, BLOCK_P]
-        B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
-                         mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_J, BLOCK_N]
-        ring = tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")  # [BLOCK_P, BLOCK_N]
+        total = tl.sum(tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < n, other=0.0), axis=0)
+        # Σ_j w_j · x_j ⊗ B_j in chunks of 16 tokens: one [BLOCK_P, 16] × [16, BLOCK_N] product each
+        # (a single product over the whole padded ring took every register and spilled).
+        ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+        before = 0.0  # Σ dt of the earlier chunks
+        for c in tl.static_range(BLOCK_J // CHUNK_J):
+            jc = c * CHUNK_J + tl.arange(0, CHUNK_J)
+            committed = jc < n
+            dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=committed, other=0.0)  # [CHUNK_J]
+            weights = tl.exp(A * (total - (before + tl.cumsum(dts, axis=0)))) * dts
+            before += tl.sum(dts, axis=0)
+            x_ring = tl.load(ring_x_ptr + (ring_head * CAP + jc[:, None]) * headdim + rows[None, :],
+                             mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [CHUNK_J, BLOCK_P]
+            B_ring = tl.load(ring_B_ptr + (ring_group * CAP + jc[:, None]) * dstate + cols[None, :],
+                             mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [CHUNK_J, BLOCK_N]
+            ring += tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")
         checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                                  CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
         # Stochastic rounding: one Philox stream per (slot, flush), as the replay flush draws it.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
-        state = _store_state(tl.exp(A * total) * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h,
-                             rows, cols, nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW,
-                             BLOCK_P, BLOCK_N)
+        stored = _store_state(tl.exp(A * total) * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h,
+                              rows, cols, nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW,
+                              BLOCK_P, BLOCK_N)
         if HAS_READ:
-            state = _store_state(state, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
-                                 nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW,
-                                 BLOCK_P, BLOCK_N)
-        _draft_outputs(
-            state, n * 0, b, h, g, rows, cols, mask_p, mask_n, A,
-            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
-            ring_head, ring_group, p_tile, heads_per_group,
-            stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-            stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-            stride_y_h, headdim, dstate, CAP, T, False, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
-            BLOCK_T,
-        )
+            _store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
+                         nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
 
 
 @triton.jit
-def _verify_append_kernel(
-    x_ptr, dt_ptr, B_ptr, dt_bias_ptr, slot_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr,
+def _verify_flushed_rows_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr,
     flush_rows_ptr, flush_counters_ptr,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     nheads, headdim, dstate, heads_per_group,
-    CAP: tl.constexpr, T: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) // NUM_P_TILES
+    p_tile = tl.program_id(1) % NUM_P_TILES
     programs = tl.num_programs(0)
     g = h // heads_per_group
-    rows = tl.arange(0, BLOCK_P)
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.arange(0, BLOCK_N)
     mask_p = rows < headdim
     mask_n = cols < dstate
+    A = tl.load(A_ptr + h).to(tl.float32)
     count = tl.load(flush_counters_ptr)
     for r in range(pid, count, programs):
         b = tl.load(flush_rows_ptr + r)
@@ -265,20 +265,25 @@ def _verify_append_kernel(
             slot = tl.load(slot_ptr + b).to(tl.int32)
         else:
             slot = b
+        # The flush kernel has stored the new read copy (or checkpoint): the drafts are the
+        # ring's only tokens, so they are verified and appended as at cursor 0.
+        state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
+                            nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-        for i in tl.static_range(T):
-            x_i = tl.load(x_ptr + b * stride_x_b + i * stride_x_t + h * stride_x_h + rows, mask=mask_p, other=0.0)
-            tl.store(ring_x_ptr + (ring_head * CAP + i) * headdim + rows, x_i, mask=mask_p)
-            dt_i = _process_dt(dt_ptr + b * stride_dt_b + i * stride_dt_t + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
-            tl.store(ring_dt_ptr + ring_head * CAP + i, dt_i)
-            if h % heads_per_group == 0:
-                B_i = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n, other=0.0)
-                tl.store(ring_B_ptr + (ring_group * CAP + i) * dstate + cols, B_i, mask=mask_n)
+        _draft_outputs(
+            state, 0, b, h, g, rows, cols, mask_p, mask_n, A,
+            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+            ring_head, ring_group, p_tile, heads_per_group,
+            stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+            stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
+            stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+            BLOCK_T,
+        )
     # The last program to finish zeroes the flushed rows' cursors (every fold has read them: the
     # flush kernel ran before this one) and empties the list for the next call.
     finished = tl.atomic_add(flush_counters_ptr + 1, 1)
-    if finished == programs * nheads - 1:
+    if finished == programs * nheads * NUM_P_TILES - 1:
         for start in range(0, count, BLOCK_R):
             entries = start + tl.arange(0, BLOCK_R)
             listed = entries < count
@@ -462,23 +467,26 @@ def launch_replay_verify(
     flush_p_tiles = triton.cdiv(headdim, flush_block_p)
     programs = max(1, min(batch, triton.cdiv(16 * _num_sms(x.device), nheads * flush_p_tiles)))
     _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
-        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
-        codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
+        A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
+        checkpoint_scale if checkpoint_scale is not None else dummy,
         codec.storage_view(read, read_format) if has_read else dummy, read_scale if read_scale is not None else dummy,
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
-        *strides, nheads, headdim, dstate, nheads // ngroups,
-        CAP=cap, T=T, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
-        **_format_constants(read_format, "RD_"), HW=hw, NUM_P_TILES=flush_p_tiles,
-        BLOCK_J=block_j, BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_T=block_t,
-        num_warps=8 if whole_head else 4, **flags,
+        nheads, headdim, dstate, nheads // ngroups,
+        CAP=cap, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
+        **_format_constants(read_format, "RD_"), HW=hw, HAS_SLOTS=slot_indices is not None,
+        NUM_P_TILES=flush_p_tiles, BLOCK_J=block_j, CHUNK_J=min(16, block_j), BLOCK_P=flush_block_p,
+        BLOCK_N=block_n, num_warps=8 if whole_head else 4,
     )
-    append_programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads)))
-    _verify_append_kernel[(append_programs, nheads)](
-        x, dt, B, bias_arg, slots_arg, ring_x, ring_dt, ring_B, cursor, flush_rows, flush_counters,
-        *strides[:8], nheads, headdim, dstate, nheads // ngroups,
-        CAP=cap, T=T, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_SLOTS=slot_indices is not None,
-        BLOCK_P=triton.next_power_of_2(headdim), BLOCK_N=block_n,
-        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=4,
+    # The flushed rows' drafts, with the verify kernel's tile, over the new state.
+    rows_programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads * num_p_tiles)))
+    _verify_flushed_rows_kernel[(rows_programs, nheads * num_p_tiles)](
+        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
+        codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
+        ring_x, ring_dt, ring_B, cursor, flush_rows, flush_counters,
+        *strides, nheads, headdim, dstate, nheads // ngroups,
+        CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
+        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=num_warps, **flags,
     )
 
 
