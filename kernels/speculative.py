@@ -2,8 +2,11 @@
 state, commit by moving the cursor; and the per-draft-state baseline serving engines use today.
 Derivations and traffic: kernels/README.md, "Speculative decoding".
 
-Verify, three launches that keep every decision on the device:
+Verify, four launches that keep every decision on the device:
 
+* ``_group_BC_kernel``, grid ``(batch, ngroups)``: ``B_j · C_i`` for every position j of the
+  row's joint sequence and every draft i, once per group (16 heads × P-tiles used to recompute
+  it), into a small fp32 buffer.
 * ``_verify_kernel``, grid ``(nheads × P-tiles, batch)``: reads the slot's cursor ``n``. A row
   whose ring could not hold the next round's drafts (``n > 0`` and ``n + 2T > capacity``) goes
   on the flush list and waits. Every other row computes its T outputs from the read copy (or
@@ -46,8 +49,8 @@ ERROR_ACCEPTED_RANGE = 2
 @triton.jit
 def _draft_outputs(
     state, n, b, h, g, rows, cols, mask_p, mask_n, A,
-    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
-    ring_head, ring_group, p_tile, heads_per_group,
+    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
+    ring_head, ring_group, p_tile, heads_per_group, ngroups,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     headdim, dstate,
@@ -60,8 +63,9 @@ def _draft_outputs(
     joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
     The drafts are also stored into the ring at ``n + i``.
 
-    Each large tile is reduced as soon as it is loaded (the state to S·C_i, the ring's B to
-    B_j·C_i, for every draft i), so no two of them hold registers at once."""
+    ``B_j · C_i`` comes from ``BC_ptr`` (``_group_BC_kernel``: once per row and group, not per
+    head); the state tile is reduced to S·C_i for every draft as soon as it is loaded, so it does
+    not hold registers through the rest."""
     ts = tl.arange(0, BLOCK_T)
     SC = tl.zeros([BLOCK_P, BLOCK_T], tl.float32)  # S · C_i, column i
     for i in tl.static_range(T):
@@ -72,16 +76,7 @@ def _draft_outputs(
     committed = js < n
     is_draft = (js >= n) & (js < n + T)
     d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
-    B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
-                     mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
-                    mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
-    BC = tl.zeros([BLOCK_J, BLOCK_T], tl.float32)  # B_j · C_i, column i
-    for i in tl.static_range(T):
-        C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
-                      other=0.0).to(tl.float32)
-        BC = tl.where(ts[None, :] == i, tl.sum(B_all * C_i[None, :], axis=1)[:, None], BC)
+    BC = tl.load(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_J, BLOCK_T]
     dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
     dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -116,9 +111,51 @@ def _draft_outputs(
 
 
 @triton.jit
+def _group_BC_kernel(
+    B_ptr, C_ptr, slot_ptr, ring_B_ptr, cursor_ptr, BC_ptr,
+    stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
+    num_slots, dstate,
+    CAP: tl.constexpr, T: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """``BC[b, g, j, i] = B_j · C_i`` over the joint sequence of row b (its committed ring tokens,
+    then the drafts; the drafts alone for a row that flushes this round), grid ``(batch, ngroups)``.
+    Every head and tile of the group reads it instead of recomputing it."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    ngroups = tl.num_programs(1)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int32)
+    else:
+        slot = b
+    if (slot >= 0) & (slot < num_slots):
+        n = tl.load(cursor_ptr + slot)
+        n = tl.where((n > 0) & (n + 2 * T > CAP), 0, n)  # a flushing row's drafts start at 0
+        cols = tl.arange(0, BLOCK_N)
+        mask_n = cols < dstate
+        js = tl.arange(0, BLOCK_J)
+        ts = tl.arange(0, BLOCK_T)
+        committed = js < n
+        is_draft = (js >= n) & (js < n + T)
+        d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
+        ring_group = slot.to(tl.int64) * ngroups + g
+        B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
+                         mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
+                        mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
+        BC = tl.zeros([BLOCK_J, BLOCK_T], tl.float32)
+        for i in tl.static_range(T):
+            C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                          other=0.0).to(tl.float32)
+            BC = tl.where(ts[None, :] == i, tl.sum(B_all * C_i[None, :], axis=1)[:, None], BC)
+        tl.store(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :], BC)
+
+
+@triton.jit
 def _verify_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
-    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
+    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr, cursor_ptr, generation_ptr,
     drafts_ptr, flush_rows_ptr, flush_counters_ptr,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
@@ -162,8 +199,8 @@ def _verify_kernel(
             ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
             _draft_outputs(
                 state, n, b, h, g, rows, cols, mask_p, mask_n, A,
-                x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
-                ring_head, ring_group, p_tile, heads_per_group,
+                x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
+                ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
                 stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
                 stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
                 stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
@@ -237,7 +274,7 @@ def _verify_flush_kernel(
 @triton.jit
 def _verify_flushed_rows_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
-    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr,
+    state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr, cursor_ptr,
     flush_rows_ptr, flush_counters_ptr,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
@@ -273,8 +310,8 @@ def _verify_flushed_rows_kernel(
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         _draft_outputs(
             state, 0, b, h, g, rows, cols, mask_p, mask_n, A,
-            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
-            ring_head, ring_group, p_tile, heads_per_group,
+            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
+            ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
             stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
             stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
@@ -451,10 +488,17 @@ def launch_replay_verify(
     strides = _strides(x, dt, B, C, z, out)
     flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                  HAS_SLOTS=slot_indices is not None)
+    # B_j · C_i once per row and group (every head and tile of the group reads it).
+    BC = torch.empty((batch, ngroups, block_j, block_t), dtype=torch.float32, device=x.device)
+    _group_BC_kernel[(batch, ngroups)](
+        B, C, slots_arg, ring_B, cursor, BC, B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
+        C.stride(2), checkpoint.shape[0], dstate, CAP=cap, T=T, HAS_SLOTS=slot_indices is not None,
+        BLOCK_J=block_j, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
+    )
     _verify_kernel[(nheads * num_p_tiles, batch)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
         codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, cursor, generation, drafts, flush_rows, flush_counters,
+        ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
         *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
         NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
@@ -482,7 +526,7 @@ def launch_replay_verify(
     _verify_flushed_rows_kernel[(rows_programs, nheads * num_p_tiles)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
         codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, cursor, flush_rows, flush_counters,
+        ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
         *strides, nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
         NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
