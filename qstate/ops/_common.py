@@ -87,6 +87,15 @@ def per_head_vector(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tens
     return t if t is None or t.stride(0) == 1 else t.contiguous()
 
 
+def unit_stride_params(dt: torch.Tensor, A, D, dt_bias):
+    """``(dt, A, D, dt_bias)`` as the replay and speculative kernels index them: ``dt`` with a unit
+    stride in its last dimension, the ``(nheads,)`` parameters with unit stride (copies, if any,
+    are a few bytes)."""
+    if dt.stride(-1) != 1:
+        dt = dt.contiguous()
+    return dt, per_head_vector("A", A), per_head_vector("D", D), per_head_vector("dt_bias", dt_bias)
+
+
 def same_device(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:

@@ -17,6 +17,7 @@ import torch
 from .. import _validate
 from ..cache import ReplayCache
 from ..formats import StateFormat
+from . import _common
 
 __all__ = ["replay_decode"]
 
@@ -53,6 +54,21 @@ def _replay_decode_fake(*args, **kwargs) -> None:
 def _inner_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name}: expected unit stride in the last dimension, got strides {t.stride()}")
+
+
+def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``out`` (allocated when None): x's shape (``layout`` names it), dtype and device, unit
+    inner stride."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _validate.tensor("out", out, ndim=x.dim())
+    _validate.shape("out", out, tuple(x.shape), layout)
+    if out.dtype != x.dtype:
+        raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
+    if out.device != x.device:
+        raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
+    _inner_contiguous("out", out)
+    return out
 
 
 def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str = "x") -> None:
@@ -146,22 +162,10 @@ def replay_decode(
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
     _check_slot_indices(slot_indices, batch, cache)
-    if out is None:
-        out = torch.empty((batch, H, P), dtype=x.dtype, device=x.device)
-    else:
-        _validate.tensor("out", out, ndim=3)
-        _validate.shape("out", out, (batch, H, P), "(batch, nheads, headdim)")
-        if out.dtype != x.dtype:
-            raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
-        if out.device != cache.device:
-            raise ValueError(f"out: expected device {cache.device} (the cache's), got {out.device}")
-        _inner_contiguous("out", out)
+    out = _check_out(out, x, "(batch, nheads, headdim)")
     if batch == 0:
         return out
-    # Contiguous (nheads,) vectors and a contiguous dt row: the kernels index them directly.
-    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
-    if dt.stride(1) != 1:
-        dt = dt.contiguous()
+    dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
     _replay_decode_op(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
         cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,

@@ -24,7 +24,7 @@ from .. import _validate
 from ..cache import ReplayCache
 from ..formats import StateFormat
 from . import _common
-from .replay import _check_slot_indices, _inner_contiguous
+from .replay import _check_out, _check_slot_indices, _inner_contiguous
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
            "commit_drafts"]
@@ -144,19 +144,6 @@ def _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, *, nheads: int, headdim: 
     return batch, T, ngroups
 
 
-def _check_out(out, batch, T, nheads, headdim, x):
-    if out is None:
-        return torch.empty((batch, T, nheads, headdim), dtype=x.dtype, device=x.device)
-    _validate.tensor("out", out, ndim=4)
-    _validate.shape("out", out, (batch, T, nheads, headdim), "(batch, T, nheads, headdim)")
-    if out.dtype != x.dtype:
-        raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
-    if out.device != x.device:
-        raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
-    _inner_contiguous("out", out)
-    return out
-
-
 def _check_num_accepted(num_accepted, batch: int, device: torch.device) -> None:
     if not isinstance(num_accepted, torch.Tensor):
         raise TypeError(f"num_accepted: expected a torch.Tensor, got {type(num_accepted).__name__}")
@@ -223,12 +210,10 @@ def replay_verify(
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
     _check_slot_indices(slot_indices, batch, cache)
-    out = _check_out(out, batch, T, H, P, x)
+    out = _check_out(out, x, "(batch, T, nheads, headdim)")
     if batch == 0:
         return out
-    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
-    if dt.stride(2) != 1:
-        dt = dt.contiguous()
+    dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
     _replay_verify_op(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
         cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
@@ -336,12 +321,10 @@ def selective_state_update_drafts(
     elif batch > nslots:
         raise ValueError(f"x: without state_batch_indices row i uses slot i, so batch must be <= nslots = {nslots}, "
                          f"got {batch}")
-    out = _check_out(out, batch, T, nheads, headdim, x)
+    out = _check_out(out, x, "(batch, T, nheads, headdim)")
     if batch == 0:
         return out
-    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
-    if dt.stride(2) != 1:
-        dt = dt.contiguous()
+    dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
     _drafts_op(state, state_scale, intermediate, intermediate_scale, x, dt, A, B, C, D, z, dt_bias,
                bool(dt_softplus), state_batch_indices, out, str(consts.fmt))
     return out
