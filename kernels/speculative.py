@@ -39,11 +39,17 @@ import triton.language as tl
 
 from . import codec
 from .conventional import tile_config
-from .replay import _gate_and_store, _load_state, _num_sms, _process_dt, _store_state
+from .replay import _fold_ring, _load_state, _num_sms, _process_dt, _store_state
 from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
 ERROR_ACCEPTED_RANGE = 2
+
+# Programs per multiprocessor of the kernels that walk the flush list (each for one head and
+# P-tile): the fold, and the flushed rows' drafts. More (64/16, 256/64) were no faster on the H200
+# (batch 256, T = 4: fold 183–291 µs against 177–246).
+FLUSH_PROGRAMS_PER_SM = 16
+FLUSHED_ROWS_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -63,51 +69,62 @@ def _draft_outputs(
     joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
     The drafts are also stored into the ring at ``n + i``.
 
-    ``B_j · C_i`` comes from ``BC_ptr`` (``_group_BC_kernel``: once per row and group, not per
-    head); the state tile is reduced to S·C_i for every draft as soon as it is loaded, so it does
-    not hold registers through the rest."""
+    All drafts are computed together as ``[BLOCK_P, BLOCK_T]`` tiles, and every global load is
+    issued before the first reduction: a load behind a cross-warp reduction waits for its barrier,
+    and one such round trip per draft made this the slowest kernel of a round. ``B_j · C_i``
+    comes from ``BC_ptr`` (``_group_BC_kernel``); the state tile is reduced to S·C_i as soon as
+    it is loaded, so it does not hold registers through the rest."""
     ts = tl.arange(0, BLOCK_T)
+    is_t = ts < T
+    js = tl.arange(0, BLOCK_J)
+    committed = js < n
+    is_draft = (js >= n) & (js < n + T)
+    d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
+    tile_t = mask_p[:, None] & is_t[None, :]  # [BLOCK_P, BLOCK_T]
+    x_d = tl.load(x_ptr + b * stride_x_b + ts[None, :] * stride_x_t + h * stride_x_h + rows[:, None], mask=tile_t,
+                  other=0.0)  # [BLOCK_P, BLOCK_T]
+    if HAS_Z:
+        z_d = tl.load(z_ptr + b * stride_z_b + ts[None, :] * stride_z_t + h * stride_z_h + rows[:, None], mask=tile_t,
+                      other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_T]
+    BC = tl.load(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_J, BLOCK_T]
+    dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
+    dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
+    x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
+                     mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    x_new = tl.load(x_ptr + b * stride_x_b + d[:, None] * stride_x_t + h * stride_x_h + rows[None, :],
+                    mask=is_draft[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     SC = tl.zeros([BLOCK_P, BLOCK_T], tl.float32)  # S · C_i, column i
     for i in tl.static_range(T):
         C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
                       other=0.0).to(tl.float32)
         SC = tl.where(ts[None, :] == i, tl.sum(state * C_i[None, :], axis=1)[:, None], SC)
-    js = tl.arange(0, BLOCK_J)
-    committed = js < n
-    is_draft = (js >= n) & (js < n + T)
-    d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
-    BC = tl.load(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_J, BLOCK_T]
-    dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
-    dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
     if HAS_BIAS:
         dt_draft += tl.load(dt_bias_ptr + h).to(tl.float32)
     if SOFTPLUS:
         dt_draft = softplus(dt_draft)
     dts = tl.where(committed, dt_ring, tl.where(is_draft, dt_draft, 0.0))  # [BLOCK_J]
     cum = tl.cumsum(dts, axis=0)  # Λ_j
-    x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
-                     mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    x_new = tl.load(x_ptr + b * stride_x_b + d[:, None] * stride_x_t + h * stride_x_h + rows[None, :],
-                    mask=is_draft[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     x_all = tl.where(committed[:, None], x_ring, x_new)  # [BLOCK_J, BLOCK_P]
-    for i in tl.static_range(T):
-        position = n + i
-        lam = tl.sum(tl.where(js == position, cum, 0.0), axis=0)  # Λ at draft i
-        weights = tl.where(js <= position, tl.exp(A * (lam - cum)) * dts, 0.0)  # [BLOCK_J]
-        BC_i = tl.sum(tl.where(ts[None, :] == i, BC, 0.0), axis=1)  # [BLOCK_J]
-        y_ring = tl.sum((weights * BC_i)[:, None] * x_all, axis=0)  # [BLOCK_P]
-        y = tl.exp(A * lam) * tl.sum(tl.where(ts[None, :] == i, SC, 0.0), axis=1) + y_ring
-        x_i = tl.load(x_ptr + b * stride_x_b + i * stride_x_t + h * stride_x_h + rows, mask=mask_p, other=0.0)
-        _gate_and_store(y, x_i.to(tl.float32), y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows,
-                        z_ptr + b * stride_z_b + i * stride_z_t + h * stride_z_h + rows, mask_p, D_ptr, h,
-                        HAS_D, HAS_Z)
-        tl.store(ring_x_ptr + (ring_head * CAP + position) * headdim + rows, x_i, mask=mask_p)
-        if p_tile == 0:
-            tl.store(ring_dt_ptr + ring_head * CAP + position, tl.sum(tl.where(js == position, dts, 0.0), axis=0))
-            if h % heads_per_group == 0:
-                B_i = tl.load(B_ptr + b * stride_B_b + i * stride_B_t + g * stride_B_g + cols, mask=mask_n,
-                              other=0.0)
-                tl.store(ring_B_ptr + (ring_group * CAP + position) * dstate + cols, B_i, mask=mask_n)
+    position = n + ts  # [BLOCK_T] of each draft
+    at = js[:, None] == position[None, :]  # [BLOCK_J, BLOCK_T]
+    lam = tl.sum(tl.where(at, cum[:, None], 0.0), axis=0)  # [BLOCK_T] Λ at each draft
+    weights = tl.where(js[:, None] <= position[None, :], tl.exp(A * (lam[None, :] - cum[:, None])) * dts[:, None], 0.0)
+    y_ring = tl.sum(x_all[:, :, None] * (weights * BC)[:, None, :], axis=0)  # [BLOCK_P, BLOCK_T]
+    y = tl.exp(A * lam)[None, :] * SC + y_ring
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * x_d.to(tl.float32)
+    if HAS_Z:
+        y = y * z_d / (1.0 + tl.exp(-z_d))
+    y_tile = y_ptr + b * stride_y_b + ts[None, :] * stride_y_t + h * stride_y_h + rows[:, None]
+    tl.store(y_tile, y.to(y_tile.dtype.element_ty), mask=tile_t)
+    tl.store(ring_x_ptr + (ring_head * CAP + position[None, :]) * headdim + rows[:, None], x_d, mask=tile_t)
+    if p_tile == 0:
+        tl.store(ring_dt_ptr + ring_head * CAP + position, tl.sum(tl.where(at, dts[:, None], 0.0), axis=0), mask=is_t)
+        if h % heads_per_group == 0:
+            B_d = tl.load(B_ptr + b * stride_B_b + ts[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
+                          mask=is_t[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
+            tl.store(ring_B_ptr + (ring_group * CAP + position[:, None]) * dstate + cols[None, :], B_d,
+                     mask=is_t[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -219,7 +236,7 @@ def _verify_flush_kernel(
     HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
-    BLOCK_J: tl.constexpr, CHUNK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1) // NUM_P_TILES
@@ -228,7 +245,6 @@ def _verify_flush_kernel(
     g = h // heads_per_group
     rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.arange(0, BLOCK_N)
-    js = tl.arange(0, BLOCK_J)
     mask_p = rows < headdim
     mask_n = cols < dstate
     mask = mask_p[:, None] & mask_n[None, :]
@@ -243,22 +259,8 @@ def _verify_flush_kernel(
         n = tl.load(cursor_ptr + slot)  # committed tokens; the drafts kernel zeroes it later
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-        total = tl.sum(tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < n, other=0.0), axis=0)
-        # Σ_j w_j · x_j ⊗ B_j in chunks of 16 tokens: one [BLOCK_P, 16] × [16, BLOCK_N] product each
-        # (a single product over the whole padded ring took every register and spilled).
-        ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
-        before = 0.0  # Σ dt of the earlier chunks
-        for c in tl.static_range(BLOCK_J // CHUNK_J):
-            jc = c * CHUNK_J + tl.arange(0, CHUNK_J)
-            committed = jc < n
-            dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=committed, other=0.0)  # [CHUNK_J]
-            weights = tl.exp(A * (total - (before + tl.cumsum(dts, axis=0)))) * dts
-            before += tl.sum(dts, axis=0)
-            x_ring = tl.load(ring_x_ptr + (ring_head * CAP + jc[:, None]) * headdim + rows[None, :],
-                             mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [CHUNK_J, BLOCK_P]
-            B_ring = tl.load(ring_B_ptr + (ring_group * CAP + jc[:, None]) * dstate + cols[None, :],
-                             mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [CHUNK_J, BLOCK_N]
-            ring += tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")
+        ring, total = _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, n, A, rows, cols, mask_p,
+                                 mask_n, headdim, dstate, CAP, BLOCK_J, BLOCK_P, BLOCK_N)
         checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                                  CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
         # Stochastic rounding: one Philox stream per (slot, flush), as the replay flush draws it.
@@ -509,7 +511,7 @@ def launch_replay_verify(
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
     flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(16, triton.next_power_of_2(headdim))
     flush_p_tiles = triton.cdiv(headdim, flush_block_p)
-    programs = max(1, min(batch, triton.cdiv(16 * _num_sms(x.device), nheads * flush_p_tiles)))
+    programs = max(1, min(batch, triton.cdiv(FLUSH_PROGRAMS_PER_SM * _num_sms(x.device), nheads * flush_p_tiles)))
     _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
         A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
         checkpoint_scale if checkpoint_scale is not None else dummy,
@@ -518,11 +520,11 @@ def launch_replay_verify(
         nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
         **_format_constants(read_format, "RD_"), HW=hw, HAS_SLOTS=slot_indices is not None,
-        NUM_P_TILES=flush_p_tiles, BLOCK_J=block_j, CHUNK_J=min(16, block_j), BLOCK_P=flush_block_p,
+        NUM_P_TILES=flush_p_tiles, BLOCK_J=block_j, BLOCK_P=flush_block_p,
         BLOCK_N=block_n, num_warps=8 if whole_head else 4,
     )
     # The flushed rows' drafts, with the verify kernel's tile, over the new state.
-    rows_programs = max(1, min(batch, triton.cdiv(4 * _num_sms(x.device), nheads * num_p_tiles)))
+    rows_programs = max(1, min(batch, triton.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device), nheads * num_p_tiles)))
     _verify_flushed_rows_kernel[(rows_programs, nheads * num_p_tiles)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
         codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,

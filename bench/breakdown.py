@@ -1,0 +1,82 @@
+"""Per-kernel device time of the harness's cases: where a call's microseconds go.
+
+    python3 -m bench.breakdown --only "spec replay fp32+fp8_e4m3:row b256" [--out DIR]
+
+Each selected case runs eagerly on buffer sets that together exceed the L2 (as in
+:func:`harness.time_case`), under ``torch.profiler``; the device time of every kernel is summed
+by kernel name and divided by the number of calls. Eager launches leave gaps between kernels, so
+the sum is the device work of a call, not its CUDA-graph time; the kernels' shares are what this
+is for. Writes ``DIR/breakdown.json`` and prints one table per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from . import harness
+from .run_gpu import _load_case_modules
+
+ROUNDS = 5
+
+
+def kernel_times(case: harness.Case, rounds: int = ROUNDS) -> dict[str, float]:
+    """µs per call of each kernel the case launches, averaged over ``rounds`` passes over its
+    cold buffer sets (the first pass, which compiles, is not profiled)."""
+    set_bytes = case.set_bytes or case.bytes_moved
+    nsets = max(2, min(harness.MAX_SETS, -(-harness.COLD_BYTES // max(set_bytes, 1))))
+    sets = [case.make_buffers() for _ in range(nsets)]
+    for buffers in sets:
+        case.run(buffers)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            for buffers in sets:
+                case.run(buffers)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time
+    calls = rounds * nsets * case.steps_per_call
+    del sets
+    torch.cuda.empty_cache()
+    return {name: us / calls for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", required=True, help="comma-separated substrings of case names")
+    parser.add_argument("--groups", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("breakdown: no CUDA device", file=sys.stderr)
+        return 2
+    _load_case_modules()
+    device = torch.device("cuda")
+    selected = [c for c in harness.cases(device, args.groups.split(",") if args.groups else None)
+                if any(part in c.name for part in args.only.split(","))]
+    report = {}
+    for case in selected:
+        times = kernel_times(case)
+        report[case.name] = times
+        print(f"\n{case.name}: {sum(times.values()):.1f} µs of kernels per call")
+        for name, us in times.items():
+            print(f"  {us:9.1f} µs  {name}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "breakdown.json"), "w") as fh:
+            json.dump(dict(environment=harness.environment(), command="python3 -m bench.breakdown "
+                           + " ".join(argv if argv is not None else sys.argv[1:]), cases=report), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
