@@ -441,6 +441,10 @@ GROUPED_STAGES = 2
 # Flush programs per multiprocessor, each walking the flush list for one (head, P-tile); 64 and
 # 256 were no faster on the H200 (flush step 1167 and 1199 µs against 1221, batch 256).
 FLUSH_PROGRAMS_PER_SM = 16
+# (rows of headdim, warps) of the flush kernel's tile: on the H200 (batch 256, flush step) 32 rows
+# and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
+# rows; 64 rows or 8 warps were slower.
+FLUSH_TILE = (32, 4)
 
 
 def grouped_heads_per_program(requested: int, heads_per_group: int) -> int:
@@ -516,10 +520,9 @@ def launch_replay_decode(
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
             NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or 2, **step_flags,
         )
-    # Flush tiles of a few rows keep registers low, so many programs are resident and enough
-    # bytes are in flight; a per-head scale needs the whole head in one tile.
+    # A per-head scale needs the whole head in one flush tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(16, triton.next_power_of_2(headdim))
+    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], triton.next_power_of_2(headdim))
     flush_p_tiles = triton.cdiv(headdim, flush_block_p)
     programs = max(1, min(batch, triton.cdiv(FLUSH_PROGRAMS_PER_SM * _num_sms(x.device), nheads * flush_p_tiles)))
     block_r = max(16, triton.next_power_of_2(triton.cdiv(batch, programs * nheads * flush_p_tiles)))
@@ -542,5 +545,5 @@ def launch_replay_decode(
         RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
         RD_EMAX=codec.emax(read_format) if has_read else 0,
         NUM_P_TILES=flush_p_tiles, BLOCK_L=max(16, block_l), BLOCK_P=flush_block_p, BLOCK_N=block_n,
-        BLOCK_R=block_r, num_warps=8 if whole_head else 4, **common,
+        BLOCK_R=block_r, num_warps=8 if whole_head else FLUSH_TILE[1], **common,
     )

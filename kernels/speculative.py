@@ -50,6 +50,11 @@ ERROR_ACCEPTED_RANGE = 2
 # (batch 256, T = 4: fold 183–291 µs against 177–246).
 FLUSH_PROGRAMS_PER_SM = 16
 FLUSHED_ROWS_PROGRAMS_PER_SM = 4
+# (rows of headdim, warps) of each kernel's tile, by the state it reads (fp32, or 8/16-bit
+# "narrow"), from the H200 sweeps at batch 256, T = 4 (bench/README.md, "Speculative tiles").
+VERIFY_TILE = {"fp32": (8, 1), "narrow": (16, 1)}
+FLUSH_TILE = (32, 4)
+FLUSHED_ROWS_TILE = (16, 1)
 
 
 @triton.jit
@@ -475,13 +480,12 @@ def launch_replay_verify(
     block_j = max(16, triton.next_power_of_2(cap))
     block_t = max(2, triton.next_power_of_2(T))
     whole_state_head = state_fmt.granularity == "head"
-    wide_state = state_fmt.dtype == "fp32"
-    # 32-row tiles, with 4 warps for an fp32 state and 2 for a narrower one, were the fastest
-    # verify tiles on the H200 (batch 256, T = 4: 1154 and 798 µs; bench/README.md).
-    if block_p is None:
-        block_p = triton.next_power_of_2(headdim) if whole_state_head else min(triton.next_power_of_2(headdim), 32)
-    if num_warps is None:
-        num_warps = 4 if wide_state or whole_state_head else 2
+    # A per-head scale needs the whole head in one tile.
+    verify_p, verify_warps = VERIFY_TILE["fp32" if state_fmt.dtype == "fp32" else "narrow"]
+    if whole_state_head:
+        verify_p, verify_warps = triton.next_power_of_2(headdim), 4
+    block_p = block_p or min(triton.next_power_of_2(headdim), verify_p)
+    num_warps = num_warps or verify_warps
     num_p_tiles = triton.cdiv(headdim, block_p)
     z_arg = z if z is not None else dummy
     slots_arg = slot_indices if slot_indices is not None else dummy
@@ -506,10 +510,9 @@ def launch_replay_verify(
         NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
         num_warps=num_warps, **flags,
     )
-    # The flush walks the list in a few programs per multiprocessor; 16-row tiles keep its
-    # registers low (a per-head scale needs the whole head in one tile).
+    # The flush walks the list in a few programs per multiprocessor.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(16, triton.next_power_of_2(headdim))
+    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], triton.next_power_of_2(headdim))
     flush_p_tiles = triton.cdiv(headdim, flush_block_p)
     programs = max(1, min(batch, triton.cdiv(FLUSH_PROGRAMS_PER_SM * _num_sms(x.device), nheads * flush_p_tiles)))
     _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
@@ -521,18 +524,24 @@ def launch_replay_verify(
         CAP=cap, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
         **_format_constants(read_format, "RD_"), HW=hw, HAS_SLOTS=slot_indices is not None,
         NUM_P_TILES=flush_p_tiles, BLOCK_J=block_j, BLOCK_P=flush_block_p,
-        BLOCK_N=block_n, num_warps=8 if whole_head else 4,
+        BLOCK_N=block_n, num_warps=8 if whole_head else FLUSH_TILE[1],
     )
-    # The flushed rows' drafts, with the verify kernel's tile, over the new state.
-    rows_programs = max(1, min(batch, triton.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device), nheads * num_p_tiles)))
-    _verify_flushed_rows_kernel[(rows_programs, nheads * num_p_tiles)](
+    # The flushed rows' drafts over the new state.
+    rows_p, rows_warps = FLUSHED_ROWS_TILE
+    if whole_state_head:
+        rows_p, rows_warps = triton.next_power_of_2(headdim), 4
+    rows_p = min(rows_p, triton.next_power_of_2(headdim))
+    rows_p_tiles = triton.cdiv(headdim, rows_p)
+    rows_programs = max(1, min(batch, triton.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device),
+                                                  nheads * rows_p_tiles)))
+    _verify_flushed_rows_kernel[(rows_programs, nheads * rows_p_tiles)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
         codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
         ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
         *strides, nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
-        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=num_warps, **flags,
+        NUM_P_TILES=rows_p_tiles, BLOCK_J=block_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps, **flags,
     )
 
 
