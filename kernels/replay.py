@@ -32,6 +32,28 @@ from .softplus import softplus
 
 
 @triton.jit
+def _head_tile(program, heads_per_group, headdim, dstate, NUM_P_TILES: tl.constexpr, BLOCK_P: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Head, P-tile, group, rows, columns and their masks of a program numbered over
+    (head × P-tile)."""
+    h = program // NUM_P_TILES
+    p_tile = program % NUM_P_TILES
+    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, BLOCK_N)
+    return h, p_tile, h // heads_per_group, rows, cols, rows < headdim, cols < dstate
+
+
+@triton.jit
+def _slot_of(slot_ptr, b, HAS_SLOTS: tl.constexpr):
+    """The cache slot of batch row ``b`` (the row itself without slot indices)."""
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int32)
+    else:
+        slot = b
+    return slot
+
+
+@triton.jit
 def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     dt = tl.load(dt_ptr).to(tl.float32)
     if HAS_BIAS:
@@ -172,19 +194,11 @@ def _replay_step_kernel(
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    h = tl.program_id(0) // NUM_P_TILES
-    p_tile = tl.program_id(0) % NUM_P_TILES
+    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
+                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     b = tl.program_id(1)
-    g = h // heads_per_group
-    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    mask_p = rows < headdim
-    mask_n = cols < dstate
     y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int32)
-    else:
-        slot = b
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot < 0) | (slot >= num_slots):
         # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync)
         # outputs NaN. Neither writes any slot.
@@ -269,10 +283,7 @@ def _replay_step_grouped_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask_p = rows < HEADDIM
     mask_n = cols < DSTATE
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int32)
-    else:
-        slot = b
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot < 0) | (slot >= num_slots):
         # Padding outputs zeros; an index past the cache outputs NaN. Neither writes any slot.
         bad = tl.where(slot < 0, 0.0, float("nan"))
@@ -367,23 +378,15 @@ def _replay_flush_kernel(
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    h = tl.program_id(1) // NUM_P_TILES
-    p_tile = tl.program_id(1) % NUM_P_TILES
+    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(1), heads_per_group, headdim, dstate,
+                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     programs = tl.num_programs(0)
-    g = h // heads_per_group
-    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    mask_p = rows < headdim
-    mask_n = cols < dstate
     mask = mask_p[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + h).to(tl.float32)
     count = tl.load(flush_counters_ptr)
     for r in range(pid, count, programs):
         b = tl.load(flush_rows_ptr + r)
-        if HAS_SLOTS:
-            slot = tl.load(slot_ptr + b).to(tl.int32)
-        else:
-            slot = b
+        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         # The fold before the state loads: loaded first, the state tiles held their registers

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import codec
 from .conventional import tile_config
-from .replay import _fold_ring, _load_state, _num_sms, _process_dt, _store_state
+from .replay import _fold_ring, _head_tile, _load_state, _num_sms, _process_dt, _slot_of, _store_state
 from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
@@ -55,6 +55,22 @@ FLUSHED_ROWS_PROGRAMS_PER_SM = 4
 VERIFY_TILE = {"fp32": (8, 1), "narrow": (16, 1)}
 FLUSH_TILE = (32, 4)
 FLUSHED_ROWS_TILE = (16, 1)
+
+
+@triton.jit
+def _store_unserved(y_row_ptr, stride_y_t, slot, mask_p, T: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The T outputs of a row the kernel does not serve: padding (slot < 0) outputs zeros, an
+    index past the cache (unchecked on a GPU, to avoid a sync) NaN."""
+    bad = (tl.zeros([BLOCK_P], tl.float32) + tl.where(slot < 0, 0.0, float("nan"))).to(y_row_ptr.dtype.element_ty)
+    for i in tl.static_range(T):
+        tl.store(y_row_ptr + i * stride_y_t, bad, mask=mask_p)
+
+
+@triton.jit
+def _flushes(n, T: tl.constexpr, CAP: tl.constexpr):
+    """Whether a row with ``n`` committed ring tokens flushes before this round's T drafts: the
+    next round's drafts would not fit after them."""
+    return (n > 0) & (n + 2 * T > CAP)
 
 
 @triton.jit
@@ -146,13 +162,10 @@ def _group_BC_kernel(
     b = tl.program_id(0)
     g = tl.program_id(1)
     ngroups = tl.num_programs(1)
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int32)
-    else:
-        slot = b
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot >= 0) & (slot < num_slots):
         n = tl.load(cursor_ptr + slot)
-        n = tl.where((n > 0) & (n + 2 * T > CAP), 0, n)  # a flushing row's drafts start at 0
+        n = tl.where(_flushes(n, T, CAP), 0, n)  # a flushing row's drafts start at 0
         cols = tl.arange(0, BLOCK_N)
         mask_n = cols < dstate
         js = tl.arange(0, BLOCK_J)
@@ -187,33 +200,22 @@ def _verify_kernel(
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    h = tl.program_id(0) // NUM_P_TILES
-    p_tile = tl.program_id(0) % NUM_P_TILES
+    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
+                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     b = tl.program_id(1)
-    g = h // heads_per_group
-    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    mask_p = rows < headdim
-    mask_n = cols < dstate
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int32)
-    else:
-        slot = b
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot < 0) | (slot >= num_slots):
-        # Padding outputs zeros; an index past the cache (unchecked on a GPU) outputs NaN.
-        bad = (tl.zeros([BLOCK_P], tl.float32) + tl.where(slot < 0, 0.0, float("nan"))).to(y_ptr.dtype.element_ty)
-        for i in tl.static_range(T):
-            tl.store(y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows, bad, mask=mask_p)
+        _store_unserved(y_ptr + b * stride_y_b + h * stride_y_h + rows, stride_y_t, slot, mask_p, T, BLOCK_P)
     else:
         n = tl.load(cursor_ptr + slot)
-        flush = (n > 0) & (n + 2 * T > CAP)
+        flush = _flushes(n, T, CAP)
         if (h == 0) & (p_tile == 0):
             tl.store(drafts_ptr + slot, T)
             if flush:
                 position = tl.atomic_add(flush_counters_ptr, 1)
                 tl.store(flush_rows_ptr + position, b)
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
-        if (n == 0) | (n + 2 * T <= CAP):
+        if not flush:
             state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
                                 nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
             A = tl.load(A_ptr + h).to(tl.float32)
@@ -244,23 +246,15 @@ def _verify_flush_kernel(
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    h = tl.program_id(1) // NUM_P_TILES
-    p_tile = tl.program_id(1) % NUM_P_TILES
+    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(1), heads_per_group, headdim, dstate,
+                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     programs = tl.num_programs(0)
-    g = h // heads_per_group
-    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    mask_p = rows < headdim
-    mask_n = cols < dstate
     mask = mask_p[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + h).to(tl.float32)
     count = tl.load(flush_counters_ptr)
     for r in range(pid, count, programs):
         b = tl.load(flush_rows_ptr + r)
-        if HAS_SLOTS:
-            slot = tl.load(slot_ptr + b).to(tl.int32)
-        else:
-            slot = b
+        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         n = tl.load(cursor_ptr + slot)  # committed tokens; the drafts kernel zeroes it later
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
@@ -293,22 +287,14 @@ def _verify_flushed_rows_kernel(
     BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    h = tl.program_id(1) // NUM_P_TILES
-    p_tile = tl.program_id(1) % NUM_P_TILES
+    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(1), heads_per_group, headdim, dstate,
+                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     programs = tl.num_programs(0)
-    g = h // heads_per_group
-    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    mask_p = rows < headdim
-    mask_n = cols < dstate
     A = tl.load(A_ptr + h).to(tl.float32)
     count = tl.load(flush_counters_ptr)
     for r in range(pid, count, programs):
         b = tl.load(flush_rows_ptr + r)
-        if HAS_SLOTS:
-            slot = tl.load(slot_ptr + b).to(tl.int32)
-        else:
-            slot = b
+        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         # The flush kernel has stored the new read copy (or checkpoint): the drafts are the
         # ring's only tokens, so they are verified and appended as at cursor 0.
         state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
@@ -376,23 +362,13 @@ def _drafts_kernel(
     SOFTPLUS: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    h = tl.program_id(0) // NUM_P_TILES
-    p_tile = tl.program_id(0) % NUM_P_TILES
+    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
+                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     b = tl.program_id(1)
-    g = h // heads_per_group
-    rows = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    mask_p = rows < headdim
-    mask_n = cols < dstate
     mask = mask_p[:, None] & mask_n[None, :]
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int32)
-    else:
-        slot = b
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot < 0) | (slot >= num_slots):
-        bad = (tl.zeros([BLOCK_P], tl.float32) + tl.where(slot < 0, 0.0, float("nan"))).to(y_ptr.dtype.element_ty)
-        for i in tl.static_range(T):
-            tl.store(y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows, bad, mask=mask_p)
+        _store_unserved(y_ptr + b * stride_y_b + h * stride_y_h + rows, stride_y_t, slot, mask_p, T, BLOCK_P)
     else:
         state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                             DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
