@@ -1,18 +1,24 @@
 """Per-kernel device time of the harness's cases: where a call's microseconds go.
 
     python3 -m bench.breakdown --only "spec replay fp32+fp8_e4m3:row b256" [--out DIR]
+        [--set qstate.kernels.speculative.FLUSH_TILE="(16, 4)" ...]
 
 Each selected case runs eagerly on buffer sets that together exceed the L2 (as in
 :func:`harness.time_case`), under ``torch.profiler``; the device time of every kernel is summed
 by kernel name and divided by the number of calls. Eager launches leave gaps between kernels, so
 the sum is the device work of a call, not its CUDA-graph time; the kernels' shares are what this
 is for. Writes ``DIR/breakdown.json`` and prints one table per case.
+
+``--set MODULE.NAME=VALUE`` (repeatable) sets a launcher constant (a tile, a program count)
+to a Python literal before timing: the tile sweeps of bench/README.md are such runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import importlib
 import json
 import os
 import sys
@@ -50,12 +56,27 @@ def kernel_times(case: harness.Case, rounds: int = ROUNDS) -> dict[str, float]:
     return {name: us / calls for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
+def set_constant(assignment: str) -> None:
+    """``"pkg.module.NAME=literal"``: set that module attribute, which must exist already."""
+    target, sep, literal = assignment.partition("=")
+    module_name, _, name = target.strip().rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"--set: expected MODULE.NAME=VALUE, got {assignment!r}")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise ValueError(f"--set: {module_name} has no attribute {name!r}")
+    setattr(module, name, ast.literal_eval(literal.strip()))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", required=True, help="comma-separated substrings of case names")
     parser.add_argument("--groups", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = parser.parse_args(argv)
+    for assignment in args.set:
+        set_constant(assignment)
     if not torch.cuda.is_available():
         print("breakdown: no CUDA device", file=sys.stderr)
         return 2

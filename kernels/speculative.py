@@ -312,19 +312,21 @@ def _verify_flushed_rows_kernel(
         )
     # The last program to finish zeroes the flushed rows' cursors (every fold has read them: the
     # flush kernel ran before this one) and empties the list for the next call.
-    finished = tl.atomic_add(flush_counters_ptr + 1, 1)
-    if finished == programs * nheads * NUM_P_TILES - 1:
-        for start in range(0, count, BLOCK_R):
-            entries = start + tl.arange(0, BLOCK_R)
-            listed = entries < count
-            bs = tl.load(flush_rows_ptr + entries, mask=listed, other=0)
-            if HAS_SLOTS:
-                slots = tl.load(slot_ptr + bs, mask=listed, other=0).to(tl.int32)
-            else:
-                slots = bs
-            tl.store(cursor_ptr + slots, tl.zeros([BLOCK_R], tl.int32), mask=listed)
-        tl.store(flush_counters_ptr, 0)
-        tl.store(flush_counters_ptr + 1, 0)
+    # With no row listed there is nothing to zero and no program takes a ticket.
+    if count > 0:
+        finished = tl.atomic_add(flush_counters_ptr + 1, 1)
+        if finished == programs * nheads * NUM_P_TILES - 1:
+            for start in range(0, count, BLOCK_R):
+                entries = start + tl.arange(0, BLOCK_R)
+                listed = entries < count
+                bs = tl.load(flush_rows_ptr + entries, mask=listed, other=0)
+                if HAS_SLOTS:
+                    slots = tl.load(slot_ptr + bs, mask=listed, other=0).to(tl.int32)
+                else:
+                    slots = bs
+                tl.store(cursor_ptr + slots, tl.zeros([BLOCK_R], tl.int32), mask=listed)
+            tl.store(flush_counters_ptr, 0)
+            tl.store(flush_counters_ptr + 1, 0)
 
 
 @triton.jit
