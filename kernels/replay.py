@@ -445,7 +445,8 @@ GROUPED_MIN_BATCH = 128
 GROUPED_WARPS = 4
 GROUPED_STAGES = 2
 # Flush programs per multiprocessor, each walking the flush list for one (head, P-tile); 64 and
-# 256 were no faster on the H200 (flush step 1167 and 1199 µs against 1221, batch 256).
+# 256 were no faster on the H200 (flush step 1167 and 1199 µs against 1221, batch 256, measured
+# with the state loaded before the fold and 16-row tiles).
 FLUSH_PROGRAMS_PER_SM = 16
 # (rows of headdim, warps) of the flush kernel's tile: on the H200 (batch 256, flush step) 32 rows
 # and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
