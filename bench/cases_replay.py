@@ -2,8 +2,9 @@
 check of every step kernel against the fp64 reference, then timing in the same run as the
 conventional kernel, with the ratio to its fp32 case at the same batch (``annotate``).
 
-Cases (Nemotron-H-8B layer, bf16 inputs), each step kernel of ``STEP_KERNELS`` (the per-head
-kernel and the grouped one, name suffix ``/per-head`` or ``/grouped-h8``):
+Cases (Nemotron-H-8B layer, bf16 inputs), for the per-head and the grouped step kernel (name
+suffix ``/per-head`` or ``/grouped-h8``), and a few for the launcher's own choice (``/default``,
+what ``replay_decode`` runs):
 
 * ``replay/b{batch}/{checkpoint}+{read}/L{L}/...``: one timed call runs a whole flush cycle
   (``L`` steps, so exactly one flush per slot); µs and bytes are per step, bytes from
@@ -29,7 +30,8 @@ from . import harness
 
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)  # Nemotron-H-8B
 MODEL = "nemotron-h-8b"
-STEP_KERNELS = {"per-head": dict(heads_per_program=0), "grouped-h8": dict(heads_per_program=8)}
+STEP_KERNELS = {"per-head": dict(heads_per_program=0), "grouped-h8": dict(heads_per_program=8),
+                "default": dict(heads_per_program=None)}
 _CACHE_FIELDS = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B", "cursor",
                  "generation", "flush_rows", "flush_counters")
 
@@ -242,7 +244,7 @@ def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, devi
 @harness.register("replay")
 def timing_cases(device, layer=LAYER):
     out = []
-    for name in STEP_KERNELS:
+    for name in ("per-head", "grouped-h8"):
         for batch in (256, 64, 16, 1):
             out += [cycle_case(batch, "fp32", None, 16, name, device, layer=layer),
                     cycle_case(batch, "fp32", "fp8_e4m3:row", 16, name, device, layer=layer)]
@@ -254,6 +256,9 @@ def timing_cases(device, layer=LAYER):
         for read in (None, "fp8_e4m3:row"):
             for which in ("normal", "flush"):
                 out.append(single_step_case(256, "fp32", read, 16, name, which, device, layer=layer))
+    # The launcher's own choice of step kernel (what replay_decode runs).
+    for batch in (256, 1):
+        out += [cycle_case(batch, "fp32", read, 16, "default", device, layer=layer) for read in (None, "fp8_e4m3:row")]
     return out
 
 

@@ -10,7 +10,8 @@ flush list (an atomic counter) and gets its output from the flush kernel.
 Grouped step kernel (``launch_replay_decode(heads_per_program=k)``, ``k ≥ 1``), grid
 ``(nheads / k × P-tiles, batch)``: the same work and bookkeeping for ``k`` heads of one group
 per program, with what the heads share (slot, cursor, the ring's B and ``B_j · C``) loaded or
-computed once. Which kernel runs by default: ``DEFAULT_HEADS_PER_PROGRAM`` and ``GROUPED_MIN_BATCH``.
+computed once. Which kernel runs by default: ``DEFAULT_HEADS_PER_PROGRAM``, ``GROUPED_MIN_BATCH`` and
+``GROUPED_MIN_RING_WITH_READ``.
 
 Flush kernel, grid ``(G, nheads)`` with ``G`` small (a few programs per multiprocessor, not one
 per row): each program walks the flush list for its head, folds the ring into the checkpoint
@@ -439,9 +440,14 @@ def _replay_flush_kernel(
 # k >= 1 = the grouped kernel with up to k heads per program. On the H200 (bench/README.md, run of
 # 86f85bd) the grouped kernel with 8 heads won at batch 256 (fp32 checkpoint, no read copy: 377 µs
 # against 442; rings 8 and 32 about 20 % faster; fp8 read copy a tie) and lost below it (batch 1:
-# 18 µs against 7), so it is the default from GROUPED_MIN_BATCH rows up.
+# 18 µs against 7), so it is the default from GROUPED_MIN_BATCH rows up. With an 8-bit read copy
+# and a 16-token ring it lost in the runs of 020111a and 3f91e7e (fp8 270.1 / 262.6 µs per-head
+# against 278.7 / 269.3 grouped, int8 264.1 against 274.7, bf16 checkpoint + fp8 288.3 against
+# 296.7) and won with a 32-token ring (308.8 against 256.1): so with a read copy it is the default
+# only from GROUPED_MIN_RING_WITH_READ tokens of ring up.
 DEFAULT_HEADS_PER_PROGRAM = 8
 GROUPED_MIN_BATCH = 128
+GROUPED_MIN_RING_WITH_READ = 32
 GROUPED_WARPS = 4
 GROUPED_STAGES = 2
 # Flush programs per multiprocessor, each walking the flush list for one (head, P-tile); 64 and
@@ -452,6 +458,14 @@ FLUSH_PROGRAMS_PER_SM = 16
 # and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
 # rows; 64 rows or 8 warps were slower.
 FLUSH_TILE = (32, 4)
+
+
+def default_heads_per_program(batch: int, has_read: bool, ring_len: int) -> int:
+    """The step kernel the launcher picks when not told: the grouped kernel's
+    ``DEFAULT_HEADS_PER_PROGRAM`` from ``GROUPED_MIN_BATCH`` rows up (with a read copy, only from a
+    ring of ``GROUPED_MIN_RING_WITH_READ`` tokens up), else 0 (one head per program)."""
+    grouped = batch >= GROUPED_MIN_BATCH and (not has_read or ring_len >= GROUPED_MIN_RING_WITH_READ)
+    return DEFAULT_HEADS_PER_PROGRAM if grouped else 0
 
 
 def grouped_heads_per_program(requested: int, heads_per_group: int) -> int:
@@ -479,7 +493,8 @@ def launch_replay_decode(
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
     stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s.
     ``heads_per_program`` picks the step kernel (None: ``DEFAULT_HEADS_PER_PROGRAM`` from
-    ``GROUPED_MIN_BATCH`` rows up, else 0; 0: one head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
+    ``GROUPED_MIN_BATCH`` rows up, with a read copy only from a ring of
+    ``GROUPED_MIN_RING_WITH_READ`` tokens up, else 0; 0: one head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
     kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
     batch, nheads, headdim = x.shape
@@ -506,7 +521,7 @@ def launch_replay_decode(
                       HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), BLOCK_L=block_l, **common)
     heads_per_group = nheads // ngroups
     if heads_per_program is None:
-        heads_per_program = DEFAULT_HEADS_PER_PROGRAM if batch >= GROUPED_MIN_BATCH else 0
+        heads_per_program = default_heads_per_program(batch, has_read, L)
     if heads_per_program:
         per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
         block_p = step_block_p or triton.next_power_of_2(headdim)
