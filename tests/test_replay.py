@@ -251,16 +251,21 @@ def random_states(nheads, headdim, dstate, seed=1):
     return draw
 
 
+def _five_steps_ring_2(checkpoint, read, *, nheads, seed):
+    """Five steps (two flushes) of 2 rows with a 2-token ring, each checked against the reference."""
+    shape = dict(batch=2, nheads=nheads, headdim=4, dstate=32, ngroups=1)
+    cache = new_cache(**shape, ring_len=2, checkpoint=checkpoint, read=read)
+    inp = make_inputs(5, *shape.values(), seed=seed)
+    return cache, run(cache, inp, 5, states=random_states(nheads, 4, 32))
+
+
 # ---------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("read", READS)
 def test_every_checkpoint_and_read_format_over_flush_cycles(checkpoint, read):
-    shape = dict(batch=2, nheads=2, headdim=4, dstate=32, ngroups=1)
-    cache = new_cache(**shape, ring_len=2, checkpoint=checkpoint, read=read)
-    inp = make_inputs(5, *shape.values(), seed=3)
-    shadow = run(cache, inp, 5, states=random_states(2, 4, 32))
+    cache, shadow = _five_steps_ring_2(checkpoint, read, nheads=2, seed=3)
     assert shadow.checks == 10
     assert cache.cursor.tolist() == [1, 1]
 
@@ -273,10 +278,7 @@ def test_grouped_step_kernel_formats_over_flush_cycles(checkpoint, read, monkeyp
     """The grouped step kernel, two programs per group (4 heads per group, 2 per program)."""
     launch = functools.partial(replay_kernels.launch_replay_decode, heads_per_program=2)
     monkeypatch.setattr(replay_kernels, "launch_replay_decode", launch)
-    shape = dict(batch=2, nheads=4, headdim=4, dstate=32, ngroups=1)
-    cache = new_cache(**shape, ring_len=2, checkpoint=checkpoint, read=read)
-    inp = make_inputs(5, *shape.values(), seed=4)
-    shadow = run(cache, inp, 5, states=random_states(4, 4, 32))
+    cache, shadow = _five_steps_ring_2(checkpoint, read, nheads=4, seed=4)
     assert shadow.checks == 10
     assert cache.cursor.tolist() == [1, 1]
 

@@ -97,6 +97,20 @@ def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str 
             raise ValueError(f"slot_indices: expected no slot to repeat within one call, got {slot_indices.tolist()}")
 
 
+def _check_ring_call(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus, slot_indices, batch: int,
+                     out: Optional[torch.Tensor], layout: str) -> torch.Tensor:
+    """What a decode or verify call checks against the cache beyond its input shapes: x and B in
+    the ring's dtype, the flag, the slot indices and ``out`` (returned, allocated when None)."""
+    for name, t in (("x", x), ("B", B)):
+        if t.dtype != cache.input_dtype:
+            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
+                            f"got {t.dtype}")
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+    _check_slot_indices(slot_indices, batch, cache)
+    return _check_out(out, x, layout)
+
+
 def replay_decode(
     cache: ReplayCache, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
@@ -148,10 +162,6 @@ def replay_decode(
     if z is not None:
         _validate.tensor("z", z, ndim=3)
         _validate.shape("z", z, (batch, H, P), "(batch, nheads, headdim)")
-    for name, t in (("x", x), ("B", B)):
-        if t.dtype != cache.input_dtype:
-            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
-                            f"got {t.dtype}")
     named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)]
     for name, t in named:
         if t is not None and t.device != cache.device:
@@ -159,10 +169,7 @@ def replay_decode(
     for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
         if t is not None:
             _inner_contiguous(name, t)
-    if not isinstance(dt_softplus, bool):
-        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
-    _check_slot_indices(slot_indices, batch, cache)
-    out = _check_out(out, x, "(batch, nheads, headdim)")
+    out = _check_ring_call(cache, x, B, dt_softplus, slot_indices, batch, out, "(batch, nheads, headdim)")
     if batch == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)

@@ -24,7 +24,7 @@ from .. import _validate
 from ..cache import ReplayCache
 from ..formats import StateFormat
 from . import _common
-from .replay import _check_out, _check_slot_indices, _inner_contiguous
+from .replay import _check_out, _check_ring_call, _check_slot_indices, _inner_contiguous
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
            "commit_drafts"]
@@ -203,14 +203,7 @@ def replay_verify(
     if T < 1 or T > cache.max_draft:
         raise ValueError(f"x: expected 1 <= T <= cache.max_draft = {cache.max_draft} draft tokens "
                          f"(allocate the cache with max_draft), got T = {T}")
-    for name, t in (("x", x), ("B", B)):
-        if t.dtype != cache.input_dtype:
-            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
-                            f"got {t.dtype}")
-    if not isinstance(dt_softplus, bool):
-        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
-    _check_slot_indices(slot_indices, batch, cache)
-    out = _check_out(out, x, "(batch, T, nheads, headdim)")
+    out = _check_ring_call(cache, x, B, dt_softplus, slot_indices, batch, out, "(batch, T, nheads, headdim)")
     if batch == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
