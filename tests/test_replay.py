@@ -22,7 +22,6 @@ and ``κ_y = κ_fold + dstate + 6`` (the dot with C over dstate, D·x and the ga
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from hypothesis import strategies as st
 
 from qstate import reference
 from qstate.cache import ReplayCache
-from qstate.formats import DTYPES, QuantizedState, StateFormat, dequantize, quantize
+from qstate.formats import DTYPES, StateFormat, dequantize, quantize
 from qstate.kernels import replay as replay_kernels
 from qstate.ops.replay import replay_decode
 
@@ -259,6 +258,17 @@ def _five_steps_ring_2(checkpoint, read, *, nheads, seed):
     return cache, run(cache, inp, 5, states=random_states(nheads, 4, 32))
 
 
+def _fixed_decay_inputs(T, P, N, decay, g):
+    """Reference inputs of one row over T steps: heads with per-step decay ``decay`` (dt 0.01),
+    x, B, C drawn from ``g`` in that order, one group, a zero initial state."""
+    H = decay.shape[0]
+    dt = torch.full((T, 1, H), 0.01, dtype=torch.float64)
+    return dict(state0=torch.zeros(1, H, P, N, dtype=torch.float64),
+                x=torch.randn(T, 1, H, P, generator=g, dtype=torch.float64), dt=dt, A=torch.log(decay) / 0.01,
+                B=torch.randn(T, 1, 1, N, generator=g, dtype=torch.float64),
+                C=torch.randn(T, 1, 1, N, generator=g, dtype=torch.float64))
+
+
 # ---------------------------------------------------------------------------- tests
 
 
@@ -412,12 +422,7 @@ def test_replay_error_does_not_grow_while_naive_fp8_does(seed, decay_floor):
     T, H, P, N = 2048, 2, 4, 32
     g = torch.Generator().manual_seed(seed)
     decay = decay_floor + (0.9995 - decay_floor) * torch.rand(H, generator=g, dtype=torch.float64)
-    dt = torch.full((T, 1, H), 0.01, dtype=torch.float64)
-    A = torch.log(decay) / 0.01
-    args = dict(state0=torch.zeros(1, H, P, N, dtype=torch.float64),
-                x=torch.randn(T, 1, H, P, generator=g, dtype=torch.float64), dt=dt, A=A,
-                B=torch.randn(T, 1, 1, N, generator=g, dtype=torch.float64),
-                C=torch.randn(T, 1, 1, N, generator=g, dtype=torch.float64))
+    args = _fixed_decay_inputs(T, P, N, decay, g)
     y_exact, _ = reference.decode_exact(**args)
     y_replay, _ = reference.decode_replay(**args, checkpoint="fp32", read="fp8_e4m3:row", ring_len=16)
     y_naive, _ = reference.decode_naive(**args, fmt="fp8_e4m3:row")
@@ -443,12 +448,8 @@ def test_kernel_error_does_not_grow_over_2048_steps():
     T, H, P, N = 2048, 2, 4, 32
     g = torch.Generator().manual_seed(5)
     decay = torch.tensor([0.996, 0.9995], dtype=torch.float64)
-    dt = torch.full((T, 1, H), 0.01, dtype=torch.float64)
-    A = torch.log(decay) / 0.01
-    args = dict(state0=torch.zeros(1, H, P, N, dtype=torch.float64),
-                x=torch.randn(T, 1, H, P, generator=g, dtype=torch.float64), dt=dt, A=A,
-                B=torch.randn(T, 1, 1, N, generator=g, dtype=torch.float64),
-                C=torch.randn(T, 1, 1, N, generator=g, dtype=torch.float64))
+    args = _fixed_decay_inputs(T, P, N, decay, g)
+    dt, A = args["dt"], args["A"]
     y_exact, state_exact = reference.decode_exact(**args)
     cache = ReplayCache.allocate(1, H, P, N, 1, ring_len=16, read="fp8_e4m3:row", input_dtype=torch.float32)
     A32 = A.float()
