@@ -1,6 +1,6 @@
 """Per-kernel device time of the harness's cases: where a call's microseconds go.
 
-    python3 -m bench.breakdown --only "spec replay fp32+fp8_e4m3:row b256" [--out DIR]
+    python3 -m bench.breakdown --only "spec replay fp32+fp8_e4m3:row b256" [--out DIR] [--warm]
         [--set qstate.kernels.speculative.FLUSH_TILE="(16, 4)" ...]
 
 Each selected case runs eagerly on buffer sets that together exceed the L2 (as in
@@ -8,6 +8,10 @@ Each selected case runs eagerly on buffer sets that together exceed the L2 (as i
 by kernel name and divided by the number of calls. Eager launches leave gaps between kernels, so
 the sum is the device work of a call, not its CUDA-graph time; the kernels' shares are what this
 is for. Writes ``DIR/breakdown.json`` and prints one table per case.
+
+``--warm`` runs every call on one buffer set instead: a case whose set fits in the L2 (50 MB on
+an H200; batch 16 of the conventional 8-bit cases) then reads no DRAM, so its time is the
+kernel's instruction and latency cost alone, the floor no memory tuning goes below.
 
 ``--set MODULE.NAME=VALUE`` (repeatable) sets a launcher constant (a tile, a program count)
 to a Python literal before timing: the tile sweeps of bench/README.md are such runs.
@@ -32,11 +36,12 @@ from .run_gpu import _load_case_modules
 ROUNDS = 5
 
 
-def kernel_times(case: harness.Case, rounds: int = ROUNDS) -> dict[str, float]:
+def kernel_times(case: harness.Case, rounds: int = ROUNDS, warm: bool = False) -> dict[str, float]:
     """µs per call of each kernel the case launches, averaged over ``rounds`` passes over its
-    cold buffer sets (the first pass, which compiles, is not profiled)."""
+    cold buffer sets (the first pass, which compiles, is not profiled); with ``warm``, over
+    ``rounds`` calls on one set."""
     set_bytes = case.set_bytes or case.bytes_moved
-    nsets = max(2, min(harness.MAX_SETS, -(-harness.COLD_BYTES // max(set_bytes, 1))))
+    nsets = 1 if warm else max(2, min(harness.MAX_SETS, -(-harness.COLD_BYTES // max(set_bytes, 1))))
     sets = [case.make_buffers() for _ in range(nsets)]
     for buffers in sets:
         case.run(buffers)
@@ -74,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    parser.add_argument("--warm", action="store_true", help="one buffer set for every call (L2-resident if it fits)")
     args = parser.parse_args(argv)
     for assignment in args.set:
         set_constant(assignment)
@@ -86,7 +92,7 @@ def main(argv=None) -> int:
                 if any(part in c.name for part in args.only.split(","))]
     report = {}
     for case in selected:
-        times = kernel_times(case)
+        times = kernel_times(case, warm=args.warm)
         report[case.name] = times
         print(f"\n{case.name}: {sum(times.values()):.1f} µs of kernels per call")
         for name, us in times.items():

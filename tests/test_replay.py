@@ -372,6 +372,32 @@ def test_nan_in_one_row_stays_in_its_slot(step_kernel):
         assert torch.equal(caches[0].read[row], caches[1].read[row])
 
 
+def test_stale_ring_tokens_past_the_cursor_do_not_reach_outputs(step_kernel):
+    """The step kernels load ring positions past the cursor (so the loads need not wait for it)
+    and select them away: NaN there changes no output and no state."""
+    shape = dict(batch=2, nheads=2, headdim=8, dstate=32, ngroups=1)
+    inp = make_inputs(9, *shape.values(), seed=10)
+    outs, caches = [], []
+    for poison in (False, True):
+        cache = new_cache(**shape, ring_len=8, read="fp8_e4m3:row")
+        cache.reset([0, 1], random_states(2, 8, 32)([0, 1]))
+        ys = []
+        for t in range(9):
+            if poison:
+                for s in (0, 1):
+                    n = int(cache.cursor[s])
+                    cache.ring_x[s, :, n:] = float("nan")
+                    cache.ring_dt[s, :, n:] = float("nan")
+                    cache.ring_B[s, :, n:] = float("nan")
+            ys.append(replay_decode(cache, **step_args(inp, t), dt_softplus=True))
+        outs.append(torch.stack(ys))
+        caches.append(cache)
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].checkpoint, caches[1].checkpoint)
+    assert torch.equal(caches[0].read, caches[1].read)
+
+
 def test_materialize_equals_exact_state(step_kernel):
     """fp32 checkpoint: the folded state equals decode_exact's within fp32 rounding.
 

@@ -177,6 +177,40 @@ def test_odd_shapes_and_int8_read():
     assert shadow.flushes >= 1
 
 
+def test_stale_ring_tokens_past_the_cursor_do_not_reach_outputs():
+    """The verify kernel loads ring positions past the cursor (rejected drafts, older cycles) so
+    that its loads need not wait for the cursor, and selects them away: NaN there changes no
+    output and no state, over rounds that flush early."""
+    g = torch.Generator().manual_seed(4)
+    nheads, headdim, dstate, ngroups, batch, T = 2, 8, 32, 1, 2, 3
+    params = layer_params(g, nheads)
+    state0 = torch.randn(batch, nheads, headdim, dstate, generator=g)
+    rounds = [(draft_inputs(g, batch, T, nheads, headdim, dstate, ngroups),
+               torch.randint(0, T + 1, (batch,), generator=g).int()) for _ in range(8)]
+    outs, caches = [], []
+    for poison in (False, True):
+        cache = ReplayCache.allocate(batch, nheads, headdim, dstate, ngroups, ring_len=8, read="fp8_e4m3:row",
+                                     input_dtype=torch.float32, max_draft=T)
+        cache.reset([0, 1], state0)
+        ys = []
+        for inp, accepted in rounds:
+            if poison:
+                for s in range(batch):
+                    n = int(cache.cursor[s])
+                    cache.ring_x[s, :, n:] = float("nan")
+                    cache.ring_dt[s, :, n:] = float("nan")
+                    cache.ring_B[s, :, n:] = float("nan")
+            ys.append(replay_verify(cache, **inp, **params, dt_softplus=True))
+            replay_commit(cache, accepted)
+        outs.append(torch.stack(ys))
+        caches.append(cache)
+    assert int(caches[1].generation.sum()) >= 2  # rows flushed early
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].checkpoint, caches[1].checkpoint)
+    assert torch.equal(caches[0].read, caches[1].read)
+
+
 def test_commit_errors_and_bad_input():
     cache = ReplayCache.allocate(2, 2, 4, 32, 1, ring_len=4, read=None, input_dtype=torch.float32, max_draft=2)
     g = torch.Generator().manual_seed(0)
