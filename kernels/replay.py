@@ -244,16 +244,16 @@ def _replay_step_kernel(
             # appending): selected away, never multiplied.
             older = js < n
             current = js == n
-            dts = tl.where(older, dts, tl.where(current, dt, 0.0))  # [BLOCK_L]; zero after the current token
-            total = tl.sum(dts, axis=0)
-            since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
-            weights = tl.exp(A * since) * dts
-            B_ring = tl.where(older[:, None], B_ring.to(tl.float32),
-                              tl.where(current[:, None], B_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_N]
-            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
-            x_ring = tl.where(older[:, None], x_ring.to(tl.float32),
-                              tl.where(current[:, None], x_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_P]
-            y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
+            dts_all = tl.where(older, dts, tl.where(current, dt, 0.0))  # [BLOCK_L]; zero after the current token
+            total = tl.sum(dts_all, axis=0)
+            since = total - tl.cumsum(dts_all, axis=0)  # Λ_t − Λ_j
+            weights = tl.exp(A * since) * dts_all
+            B_all = tl.where(older[:, None], B_ring.to(tl.float32),
+                             tl.where(current[:, None], B_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_N]
+            BC = tl.sum(B_all * C_t[None, :], axis=1)  # [BLOCK_L]
+            x_all = tl.where(older[:, None], x_ring.to(tl.float32),
+                             tl.where(current[:, None], x_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_P]
+            y_ring = tl.sum((weights * BC)[:, None] * x_all, axis=0)  # [BLOCK_P]
             y = tl.exp(A * total) * state_C + y_ring
             _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
                             mask_p, D_ptr, h, HAS_D, HAS_Z)

@@ -75,45 +75,45 @@ def _flushes(n, T: tl.constexpr, CAP: tl.constexpr):
 
 @triton.jit
 def _draft_outputs(
-    state, n, serve, b, h, g, rows, cols, mask_p, mask_n, A,
+    state, n, b, h, g, rows, cols, mask_p, mask_n, A,
     x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
     ring_head, ring_group, p_tile, heads_per_group, ngroups,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     headdim, dstate,
-    CAP: tl.constexpr, T: tl.constexpr, COMMITTED_MAX: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    CAP: tl.constexpr, T: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The T outputs of one (row, head, P-tile) from ``state`` ([BLOCK_P, BLOCK_N] fp32, the
-    values the outputs read), the ``n ≤ COMMITTED_MAX`` committed ring tokens and the drafts;
-    draft i sees the ring tokens and drafts 0 … i. The drafts are also stored into the ring at
-    ``n + i``. Nothing is stored unless ``serve``: the verify kernel calls this before it knows
-    whether the row flushes, so that no load waits for that.
+    values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
+    joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
+    The drafts are also stored into the ring at ``n + i``.
 
-    The committed tokens and the drafts are separate tiles, so no address depends on ``n``:
-    the ring is read up to ``COMMITTED_MAX`` whatever the cursor and masked after, and every
-    global load is issued at once, before the first reduction (a load behind a cross-warp
-    reduction waits for its barrier). ``B_j · C_i`` comes from ``BC_ptr``
-    (``_group_BC_kernel``); the state tile is reduced to S·C_i as soon as it is loaded, so it
-    does not hold registers through the rest."""
+    All drafts are computed together as ``[BLOCK_P, BLOCK_T]`` tiles, and every global load is
+    issued before the first reduction: a load behind a cross-warp reduction waits for its barrier,
+    and one such round trip per draft made this the slowest kernel of a round. ``B_j · C_i``
+    comes from ``BC_ptr`` (``_group_BC_kernel``); the state tile is reduced to S·C_i as soon as
+    it is loaded, so it does not hold registers through the rest."""
     ts = tl.arange(0, BLOCK_T)
     is_t = ts < T
-    js = tl.arange(0, BLOCK_C)
-    readable = js < COMMITTED_MAX
+    js = tl.arange(0, BLOCK_J)
+    committed = js < n
+    is_draft = (js >= n) & (js < n + T)
+    d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
     tile_t = mask_p[:, None] & is_t[None, :]  # [BLOCK_P, BLOCK_T]
     x_d = tl.load(x_ptr + b * stride_x_b + ts[None, :] * stride_x_t + h * stride_x_h + rows[:, None], mask=tile_t,
                   other=0.0)  # [BLOCK_P, BLOCK_T]
     if HAS_Z:
         z_d = tl.load(z_ptr + b * stride_z_b + ts[None, :] * stride_z_t + h * stride_z_h + rows[:, None], mask=tile_t,
                       other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_T]
-    BC_rows = BC_ptr + (b * ngroups + g) * (BLOCK_C + BLOCK_T) * BLOCK_T
-    BC_ring = tl.load(BC_rows + js[:, None] * BLOCK_T + ts[None, :])  # [BLOCK_C, BLOCK_T]
-    BC_draft = tl.load(BC_rows + (BLOCK_C + ts[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_T, BLOCK_T]: draft k, i
-    dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=readable, other=0.0)  # [BLOCK_C]
-    dt_draft = tl.load(dt_ptr + b * stride_dt_b + ts * stride_dt_t + h, mask=is_t, other=0.0).to(tl.float32)
+    BC = tl.load(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_J, BLOCK_T]
+    dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
+    dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
     x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
-                     mask=readable[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_C, BLOCK_P]
+                     mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    x_new = tl.load(x_ptr + b * stride_x_b + d[:, None] * stride_x_t + h * stride_x_h + rows[None, :],
+                    mask=is_draft[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     SC = tl.zeros([BLOCK_P, BLOCK_T], tl.float32)  # S · C_i, column i
     for i in tl.static_range(T):
         C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
@@ -123,35 +123,29 @@ def _draft_outputs(
         dt_draft += tl.load(dt_bias_ptr + h).to(tl.float32)
     if SOFTPLUS:
         dt_draft = softplus(dt_draft)
-    dt_draft = tl.where(is_t, dt_draft, 0.0)  # [BLOCK_T]
-    # Positions past the cursor hold stale tokens: selected away, never multiplied.
-    committed = js < n
-    dt_ring = tl.where(committed, dt_ring, 0.0)
-    x_ring = tl.where(committed[:, None], x_ring.to(tl.float32), 0.0)
-    cum_ring = tl.cumsum(dt_ring, axis=0)  # [BLOCK_C] Λ_j of the ring tokens
-    lam = tl.sum(dt_ring, axis=0) + tl.cumsum(dt_draft, axis=0)  # [BLOCK_T] Λ at each draft
-    w_ring = tl.where(committed[:, None], tl.exp(A * (lam[None, :] - cum_ring[:, None])) * dt_ring[:, None], 0.0)
-    sees = (ts[:, None] <= ts[None, :]) & is_t[None, :]  # [BLOCK_T, BLOCK_T]: draft i sees draft k ≤ i
-    w_draft = tl.where(sees, tl.exp(A * (lam[None, :] - lam[:, None])) * dt_draft[:, None], 0.0)
-    y_ring = tl.sum(x_ring[:, :, None] * (w_ring * BC_ring)[:, None, :], axis=0)  # [BLOCK_P, BLOCK_T]
-    y_drafts = tl.sum(x_d.to(tl.float32)[:, :, None] * (w_draft * BC_draft)[None, :, :], axis=1)  # [BLOCK_P, BLOCK_T]
-    y = tl.exp(A * lam)[None, :] * SC + y_ring + y_drafts
+    dts = tl.where(committed, dt_ring, tl.where(is_draft, dt_draft, 0.0))  # [BLOCK_J]
+    cum = tl.cumsum(dts, axis=0)  # Λ_j
+    x_all = tl.where(committed[:, None], x_ring, x_new)  # [BLOCK_J, BLOCK_P]
+    position = n + ts  # [BLOCK_T] of each draft
+    at = js[:, None] == position[None, :]  # [BLOCK_J, BLOCK_T]
+    lam = tl.sum(tl.where(at, cum[:, None], 0.0), axis=0)  # [BLOCK_T] Λ at each draft
+    weights = tl.where(js[:, None] <= position[None, :], tl.exp(A * (lam[None, :] - cum[:, None])) * dts[:, None], 0.0)
+    y_ring = tl.sum(x_all[:, :, None] * (weights * BC)[:, None, :], axis=0)  # [BLOCK_P, BLOCK_T]
+    y = tl.exp(A * lam)[None, :] * SC + y_ring
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x_d.to(tl.float32)
     if HAS_Z:
         y = y * z_d / (1.0 + tl.exp(-z_d))
     y_tile = y_ptr + b * stride_y_b + ts[None, :] * stride_y_t + h * stride_y_h + rows[:, None]
-    stored = tile_t & serve
-    tl.store(y_tile, y.to(y_tile.dtype.element_ty), mask=stored)
-    position = n + ts  # [BLOCK_T] ring position of each draft
-    tl.store(ring_x_ptr + (ring_head * CAP + position[None, :]) * headdim + rows[:, None], x_d, mask=stored)
+    tl.store(y_tile, y.to(y_tile.dtype.element_ty), mask=tile_t)
+    tl.store(ring_x_ptr + (ring_head * CAP + position[None, :]) * headdim + rows[:, None], x_d, mask=tile_t)
     if p_tile == 0:
-        tl.store(ring_dt_ptr + ring_head * CAP + position, dt_draft, mask=is_t & serve)
+        tl.store(ring_dt_ptr + ring_head * CAP + position, tl.sum(tl.where(at, dts[:, None], 0.0), axis=0), mask=is_t)
         if h % heads_per_group == 0:
             B_d = tl.load(B_ptr + b * stride_B_b + ts[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
                           mask=is_t[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
             tl.store(ring_B_ptr + (ring_group * CAP + position[:, None]) * dstate + cols[None, :], B_d,
-                     mask=is_t[:, None] & mask_n[None, :] & serve)
+                     mask=is_t[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -160,38 +154,37 @@ def _group_BC_kernel(
     stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
     num_slots, dstate,
     CAP: tl.constexpr, T: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """``B_j · C_i`` for row b and group g, grid ``(batch, ngroups)``: rows ``j < BLOCK_C`` for
-    the committed ring tokens (zero past the cursor, and for a row that flushes this round),
-    rows ``BLOCK_C + k`` for draft k. Every head and tile of the group reads it instead of
-    recomputing it."""
+    """``BC[b, g, j, i] = B_j · C_i`` over the joint sequence of row b (its committed ring tokens,
+    then the drafts; the drafts alone for a row that flushes this round), grid ``(batch, ngroups)``.
+    Every head and tile of the group reads it instead of recomputing it."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     ngroups = tl.num_programs(1)
     slot = _slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot >= 0) & (slot < num_slots):
         n = tl.load(cursor_ptr + slot)
-        n = tl.where(_flushes(n, T, CAP), 0, n)  # a flushing row's ring is folded first
+        n = tl.where(_flushes(n, T, CAP), 0, n)  # a flushing row's drafts start at 0
         cols = tl.arange(0, BLOCK_N)
         mask_n = cols < dstate
-        js = tl.arange(0, BLOCK_C)
+        js = tl.arange(0, BLOCK_J)
         ts = tl.arange(0, BLOCK_T)
+        committed = js < n
+        is_draft = (js >= n) & (js < n + T)
+        d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
         ring_group = slot.to(tl.int64) * ngroups + g
         B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
-                         mask=(js < n)[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_C, BLOCK_N]
-        B_draft = tl.load(B_ptr + b * stride_B_b + ts[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
-                          mask=(ts < T)[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_N]
-        BC_ring = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
-        BC_draft = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)
+                         mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
+                        mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
+        BC = tl.zeros([BLOCK_J, BLOCK_T], tl.float32)
         for i in tl.static_range(T):
             C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
                           other=0.0).to(tl.float32)
-            BC_ring = tl.where(ts[None, :] == i, tl.sum(B_ring * C_i[None, :], axis=1)[:, None], BC_ring)
-            BC_draft = tl.where(ts[None, :] == i, tl.sum(B_draft * C_i[None, :], axis=1)[:, None], BC_draft)
-        BC_rows = BC_ptr + (b * ngroups + g) * (BLOCK_C + BLOCK_T) * BLOCK_T
-        tl.store(BC_rows + js[:, None] * BLOCK_T + ts[None, :], BC_ring)
-        tl.store(BC_rows + (BLOCK_C + ts[:, None]) * BLOCK_T + ts[None, :], BC_draft)
+            BC = tl.where(ts[None, :] == i, tl.sum(B_all * C_i[None, :], axis=1)[:, None], BC)
+        tl.store(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :], BC)
 
 
 @triton.jit
@@ -204,8 +197,8 @@ def _verify_kernel(
     num_slots, nheads, headdim, dstate, heads_per_group,
     CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, COMMITTED_MAX: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
                                                           NUM_P_TILES, BLOCK_P, BLOCK_N)
@@ -214,10 +207,6 @@ def _verify_kernel(
     if (slot < 0) | (slot >= num_slots):
         _store_unserved(y_ptr + b * stride_y_b + h * stride_y_h + rows, stride_y_t, slot, mask_p, T, BLOCK_P)
     else:
-        # The state tile is loaded before the cursor, so the two round trips overlap; a row that
-        # flushes (1 in 7 at T = 4, L = 16) has read its tile for nothing.
-        state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
-                            nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
         n = tl.load(cursor_ptr + slot)
         flush = _flushes(n, T, CAP)
         if (h == 0) & (p_tile == 0):
@@ -226,20 +215,21 @@ def _verify_kernel(
                 position = tl.atomic_add(flush_counters_ptr, 1)
                 tl.store(flush_rows_ptr + position, b)
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
-        # A flushing row's outputs come from the flushed-rows kernel: here they are computed
-        # (so no load waits for the cursor) and not stored.
-        A = tl.load(A_ptr + h).to(tl.float32)
-        ring_head = slot.to(tl.int64) * nheads + h
-        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-        _draft_outputs(
-            state, n, not flush, b, h, g, rows, cols, mask_p, mask_n, A,
-            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-            ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
-            stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-            stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-            stride_y_h, headdim, dstate, CAP, T, COMMITTED_MAX, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_C, BLOCK_P,
-            BLOCK_N, BLOCK_T,
-        )
+        if not flush:
+            state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
+                                nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+            A = tl.load(A_ptr + h).to(tl.float32)
+            ring_head = slot.to(tl.int64) * nheads + h
+            ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+            _draft_outputs(
+                state, n, b, h, g, rows, cols, mask_p, mask_n, A,
+                x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
+                ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
+                stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+                stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
+                stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+                BLOCK_T,
+            )
 
 
 @triton.jit
@@ -293,7 +283,7 @@ def _verify_flushed_rows_kernel(
     CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -312,12 +302,12 @@ def _verify_flushed_rows_kernel(
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         _draft_outputs(
-            state, 0, True, b, h, g, rows, cols, mask_p, mask_n, A,
+            state, 0, b, h, g, rows, cols, mask_p, mask_n, A,
             x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
             ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
             stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-            stride_y_h, headdim, dstate, CAP, T, 0, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_C, BLOCK_P, BLOCK_N,
+            stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
             BLOCK_T,
         )
     # The last program to finish zeroes the flushed rows' cursors (every fold has read them: the
@@ -467,9 +457,6 @@ def launch_replay_verify(
     block_n = max(32, triton.next_power_of_2(dstate))
     block_j = max(16, triton.next_power_of_2(cap))
     block_t = max(2, triton.next_power_of_2(T))
-    # The most ring tokens a row that does not flush has committed (_flushes), and their tile.
-    committed_max = max(0, cap - 2 * T)
-    block_c = max(2, triton.next_power_of_2(committed_max))
     whole_state_head = state_fmt.granularity == "head"
     # A per-head scale needs the whole head in one tile.
     verify_p, verify_warps = VERIFY_TILE["fp32" if state_fmt.dtype == "fp32" else "narrow"]
@@ -486,11 +473,11 @@ def launch_replay_verify(
     flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                  HAS_SLOTS=slot_indices is not None)
     # B_j · C_i once per row and group (every head and tile of the group reads it).
-    BC = torch.empty((batch, ngroups, block_c + block_t, block_t), dtype=torch.float32, device=x.device)
+    BC = torch.empty((batch, ngroups, block_j, block_t), dtype=torch.float32, device=x.device)
     _group_BC_kernel[(batch, ngroups)](
         B, C, slots_arg, ring_B, cursor, BC, B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
         C.stride(2), checkpoint.shape[0], dstate, CAP=cap, T=T, HAS_SLOTS=slot_indices is not None,
-        BLOCK_C=block_c, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
+        BLOCK_J=block_j, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
     )
     _verify_kernel[(nheads * num_p_tiles, batch)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
@@ -498,8 +485,7 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
         *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=num_p_tiles, COMMITTED_MAX=committed_max, BLOCK_C=block_c, BLOCK_P=block_p, BLOCK_N=block_n,
-        BLOCK_T=block_t,
+        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
         num_warps=num_warps, **flags,
     )
     # The flush walks the list in a few programs per multiprocessor.
@@ -532,7 +518,7 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
         *strides, nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=rows_p_tiles, BLOCK_C=block_c, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        NUM_P_TILES=rows_p_tiles, BLOCK_J=block_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
         BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps, **flags,
     )
 
