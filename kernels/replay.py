@@ -65,24 +65,41 @@ def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.con
 
 
 @triton.jit
-def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fp32 values ``code · scale`` of one head's ``[BLOCK_P, BLOCK_N]`` tile. Scales are loaded
-    at their own granularity and broadcast (a per-element gather costs as much as the codes)."""
+def _load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                       DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One head's ``[BLOCK_P, BLOCK_N]`` tile as ``(values, row_scale)`` with ``code · scale =
+    values · row_scale[:, None]``: a row or head scale is returned apart (``[BLOCK_P]``), so a
+    dot over dstate multiplies by it once per row instead of once per element (the step and
+    verify kernels are bound by instruction issue); block32 scales are applied to ``values``.
+    Scales are loaded at their own granularity (a per-element gather costs as much as the codes)."""
     head = slot.to(tl.int64) * nheads + h
     codes = tl.load(codes_ptr + head * headdim * dstate + rows[:, None] * dstate + cols[None, :], mask=mask, other=0)
     values = codec.decode(codes, DTYPE, HW)
     if GRAN == 1:
-        values = values * tl.load(scale_ptr + head * headdim + rows, mask=rows < headdim, other=1.0)[:, None]
+        row_scale = tl.load(scale_ptr + head * headdim + rows, mask=rows < headdim, other=1.0)
     elif GRAN == 2:
-        values = values * tl.load(scale_ptr + head)
-    elif GRAN == 3:
+        row_scale = tl.zeros([BLOCK_P], tl.float32) + tl.load(scale_ptr + head)
+    else:
+        row_scale = tl.full([BLOCK_P], 1.0, tl.float32)
+    if GRAN == 3:
         NB: tl.constexpr = BLOCK_N // 32
         blocks = tl.arange(0, NB)
         scale = tl.load(scale_ptr + (head * headdim + rows[:, None]) * (dstate // 32) + blocks[None, :],
                         mask=(rows[:, None] < headdim) & (blocks[None, :] < dstate // 32), other=1.0)
         values = tl.reshape(tl.reshape(values, [BLOCK_P, NB, 32]) * scale[:, :, None], [BLOCK_P, BLOCK_N])
+    return values, row_scale
+
+
+@triton.jit
+def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 values ``code · scale`` of one head's ``[BLOCK_P, BLOCK_N]`` tile."""
+    values, row_scale = _load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                                           DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
+    if GRAN == 1 or GRAN == 2:
+        values = values * row_scale[:, None]
     return values
 
 
@@ -206,29 +223,21 @@ def _replay_step_kernel(
         bad = tl.where(slot < 0, 0.0, float("nan"))
         tl.store(y_ptrs, (tl.zeros([BLOCK_P], tl.float32) + bad).to(y_ptrs.dtype.element_ty), mask=mask_p)
     else:
-        # Every load goes before the cursor's, and none depends on it, so one round trip
-        # serves the program: the ring is read up to the last position a normal row can use
-        # (L − 3) and masked after. The state tile is reduced to S·C at once, so it does not
-        # hold registers through the ring work.
+        # Loads that do not depend on the cursor go first, so their latency overlaps its load;
+        # the state tile is reduced to S·C at once, so it does not hold registers through the
+        # ring work (127 → fewer registers per thread, more programs resident per SM).
         mask = mask_p[:, None] & mask_n[None, :]
-        state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                            DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
-        ring_head = slot.to(tl.int64) * nheads + h
-        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-        js = tl.arange(0, BLOCK_L)
-        readable = js < L - 2
-        dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=readable, other=0.0)  # [BLOCK_L]
-        B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
-                         mask=readable[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_L, BLOCK_N]
-        x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
-                         mask=readable[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_L, BLOCK_P]
+        state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim,
+                                              dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
         C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
         dt = _process_dt(dt_ptr + b * stride_dt_b + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
         n = tl.load(cursor_ptr + slot)
-        state_C = tl.sum(state * C_t[None, :], axis=1)  # [BLOCK_P]
+        state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
         full = n == L - 1
+        ring_head = slot.to(tl.int64) * nheads + h
+        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         tl.store(ring_x_ptr + (ring_head * L + n) * headdim + rows, x_t, mask=mask_p)
         if p_tile == 0:
             tl.store(ring_dt_ptr + ring_head * L + n, dt)
@@ -240,20 +249,22 @@ def _replay_step_kernel(
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
         if n != L - 1:
             A = tl.load(A_ptr + h).to(tl.float32)
-            # Positions past the cursor hold stale tokens (or the one another program is
-            # appending): selected away, never multiplied.
+            js = tl.arange(0, BLOCK_L)
             older = js < n
             current = js == n
-            dts_all = tl.where(older, dts, tl.where(current, dt, 0.0))  # [BLOCK_L]; zero after the current token
-            total = tl.sum(dts_all, axis=0)
-            since = total - tl.cumsum(dts_all, axis=0)  # Λ_t − Λ_j
-            weights = tl.exp(A * since) * dts_all
-            B_all = tl.where(older[:, None], B_ring.to(tl.float32),
-                             tl.where(current[:, None], B_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_N]
-            BC = tl.sum(B_all * C_t[None, :], axis=1)  # [BLOCK_L]
-            x_all = tl.where(older[:, None], x_ring.to(tl.float32),
-                             tl.where(current[:, None], x_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_P]
-            y_ring = tl.sum((weights * BC)[:, None] * x_all, axis=0)  # [BLOCK_P]
+            dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=older, other=0.0)
+            dts = tl.where(current, dt, dts)  # [BLOCK_L]; zero after the current token
+            total = tl.sum(dts, axis=0)
+            since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
+            weights = tl.exp(A * since) * dts
+            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
+                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
+            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+            x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
+                             mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+            x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
+            y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
             y = tl.exp(A * total) * state_C + y_ring
             _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
                             mask_p, D_ptr, h, HAS_D, HAS_Z)
@@ -298,18 +309,9 @@ def _replay_step_grouped_kernel(
         tl.store(y_tile, (tl.zeros([BLOCK_H, BLOCK_P], tl.float32) + bad).to(y_tile.dtype.element_ty),
                  mask=mask_h[:, None] & mask_p[None, :])
     else:
-        ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
-        ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
-        # The ring is read before the cursor, up to the last position a normal row can use
-        # (L − 3), and masked after: so these loads do not wait for the cursor's.
-        js = tl.arange(0, BLOCK_L)
-        readable = js < L - 2
-        ring_dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
-                           mask=mask_h[:, None] & readable[None, :], other=0.0)  # [BLOCK_H, BLOCK_L]
-        B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
-                         mask=readable[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_L, BLOCK_N]
         n = tl.load(cursor_ptr + slot)
         full = n == L - 1
+        js = tl.arange(0, BLOCK_L)
         older = js < n
         current = js == n
         dt = tl.load(dt_ptr + b * stride_dt_b + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
@@ -318,6 +320,8 @@ def _replay_step_grouped_kernel(
         if SOFTPLUS:
             dt = softplus(dt)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
+        ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
+        ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
         if p_tile == 0:
             # Appends: the program's dts, the group's B once (by the group's first program).
             tl.store(ring_dt_ptr + ring_heads * L + n, dt, mask=mask_h)
@@ -331,15 +335,16 @@ def _replay_step_grouped_kernel(
             A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
             C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
             # Ring weights of every head of the program, and B_j · C shared by all of them.
-            # Stale positions past the cursor are selected away, never multiplied.
-            dts = tl.where(older[None, :], ring_dts,
-                           tl.where(current[None, :], dt[:, None], 0.0))  # [BLOCK_H, BLOCK_L]; zero after the current token
+            dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
+                          mask=mask_h[:, None] & older[None, :], other=0.0)
+            dts = tl.where(current[None, :], dt[:, None], dts)  # [BLOCK_H, BLOCK_L]; zero after the current token
             total = tl.sum(dts, axis=1)  # [BLOCK_H]
             weights = tl.exp(A[:, None] * (total[:, None] - tl.cumsum(dts, axis=1))) * dts  # [BLOCK_H, BLOCK_L]
             decay = tl.exp(A * total)  # [BLOCK_H]
-            B_all = tl.where(older[:, None], B_ring.to(tl.float32),
-                             tl.where(current[:, None], B_t.to(tl.float32)[None, :], 0.0))  # [BLOCK_L, BLOCK_N]
-            BC = tl.sum(B_all * C_t[None, :], axis=1)  # [BLOCK_L]
+            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
+                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
+            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
             ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
             if HAS_D:
                 D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
@@ -348,16 +353,15 @@ def _replay_step_grouped_kernel(
                 h = h0 + i
                 pick = lanes == i
                 ring_head = slot.to(tl.int64) * nheads + h
-                state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask, nheads, HEADDIM,
-                                    DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+                state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
+                                                      nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
                 x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
-                state_C = tl.sum(state * C_t[None, :], axis=1)  # [BLOCK_P]; frees the tile's registers
+                state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
                 tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
                 x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
-                                 mask=readable[:, None] & mask_p[None, :], other=0.0)
+                                 mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
                 x_t = x_t.to(tl.float32)
-                x_ring = tl.where(older[:, None], x_ring.to(tl.float32),
-                                  tl.where(current[:, None], x_t[None, :], 0.0))  # [BLOCK_L, BLOCK_P]
+                x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
                 coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
                 y_ring = tl.sum(coef[:, None] * x_ring, axis=0)  # [BLOCK_P]
                 y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * state_C + y_ring
@@ -458,6 +462,9 @@ def _replay_flush_kernel(
 # against 278.7 / 269.3 grouped, int8 264.1 against 274.7, bf16 checkpoint + fp8 288.3 against
 # 296.7) and won with a 32-token ring (308.8 against 256.1): so with a read copy it is the default
 # only from GROUPED_MIN_RING_WITH_READ tokens of ring up.
+# (rows of headdim, warps) of the per-head step kernel's tile: 32 rows with 2 warps were fastest
+# for fp32 and fp8 states in the H200 sweep (bench/README.md, "Replay decode").
+STEP_TILE = (32, 2)
 DEFAULT_HEADS_PER_PROGRAM = 8
 GROUPED_MIN_BATCH = 128
 GROUPED_MIN_RING_WITH_READ = 32
@@ -547,13 +554,12 @@ def launch_replay_decode(
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )
     else:
-        # 32-row tiles with 2 warps were fastest for fp32 and fp8 states in the H200 sweep
-        # (bench/README.md, "Replay decode").
-        block_p = step_block_p or min(triton.next_power_of_2(headdim), 32)
+        block_p = step_block_p or min(triton.next_power_of_2(headdim), STEP_TILE[0])
         num_p_tiles = triton.cdiv(headdim, block_p)
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
-            NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or 2, **step_flags,
+            NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or STEP_TILE[1],
+            **step_flags,
         )
     # A per-head scale needs the whole head in one flush tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from . import codec
 from .conventional import tile_config
-from .replay import _fold_ring, _head_tile, _load_state, _num_sms, _process_dt, _slot_of, _store_state
+from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _num_sms, _process_dt, _slot_of,
+                     _store_state)
 from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
@@ -75,7 +76,7 @@ def _flushes(n, T: tl.constexpr, CAP: tl.constexpr):
 
 @triton.jit
 def _draft_outputs(
-    state, n, b, h, g, rows, cols, mask_p, mask_n, A,
+    state, row_scale, n, b, h, g, rows, cols, mask_p, mask_n, A,
     x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
     ring_head, ring_group, p_tile, heads_per_group, ngroups,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
@@ -85,8 +86,8 @@ def _draft_outputs(
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The T outputs of one (row, head, P-tile) from ``state`` ([BLOCK_P, BLOCK_N] fp32, the
-    values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
+    """The T outputs of one (row, head, P-tile) from ``state · row_scale[:, None]``
+    ([BLOCK_P, BLOCK_N] and [BLOCK_P] fp32, :func:`_load_scaled_codes`: the values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
     joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
     The drafts are also stored into the ring at ``n + i``.
 
@@ -119,6 +120,7 @@ def _draft_outputs(
         C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
                       other=0.0).to(tl.float32)
         SC = tl.where(ts[None, :] == i, tl.sum(state * C_i[None, :], axis=1)[:, None], SC)
+    SC = SC * row_scale[:, None]
     if HAS_BIAS:
         dt_draft += tl.load(dt_bias_ptr + h).to(tl.float32)
     if SOFTPLUS:
@@ -216,13 +218,14 @@ def _verify_kernel(
                 tl.store(flush_rows_ptr + position, b)
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
         if not flush:
-            state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
-                                nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+            state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols,
+                                                  mask_p[:, None] & mask_n[None, :], nheads, headdim, dstate, DTYPE,
+                                                  GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
             A = tl.load(A_ptr + h).to(tl.float32)
             ring_head = slot.to(tl.int64) * nheads + h
             ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
             _draft_outputs(
-                state, n, b, h, g, rows, cols, mask_p, mask_n, A,
+                state, row_scale, n, b, h, g, rows, cols, mask_p, mask_n, A,
                 x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
                 ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
                 stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
@@ -297,12 +300,13 @@ def _verify_flushed_rows_kernel(
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         # The flush kernel has stored the new read copy (or checkpoint): the drafts are the
         # ring's only tokens, so they are verified and appended as at cursor 0.
-        state = _load_state(state_ptr, state_scale_ptr, slot, h, rows, cols, mask_p[:, None] & mask_n[None, :],
-                            nheads, headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N]
+        state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols,
+                                              mask_p[:, None] & mask_n[None, :], nheads, headdim, dstate, DTYPE, GRAN,
+                                              HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         _draft_outputs(
-            state, 0, b, h, g, rows, cols, mask_p, mask_n, A,
+            state, row_scale, 0, b, h, g, rows, cols, mask_p, mask_n, A,
             x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
             ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
