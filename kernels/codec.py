@@ -128,8 +128,10 @@ def divide_rn(x, s, s_recip, HW: tl.constexpr):
         # as q + (x − q·s)·r (rounding is symmetric), and when q is ±0 the residual is +0, so
         # q − (+0) keeps q's sign where q + (+0) would turn −0 into +0. Two instructions per
         # element fewer than selecting q on a zero residual (kernels/README.md, codec).
-        negated_residual = tl.fma(q, s, -x)
-        q = tl.fma(-negated_residual, s_recip, q)
+        # Negated as "* -1.0" (a sign flip, folded into the FMA): Triton's unary minus is
+        # 0 − v, which gives +0 for +0.
+        negated_residual = tl.fma(q, s, x * -1.0)
+        q = tl.fma(negated_residual * -1.0, s_recip, q)
     else:
         q = tl.div_rn(x, s)
     return q

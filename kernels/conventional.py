@@ -303,15 +303,21 @@ DEFAULT_VARIANTS = {4: Variant(), 2: Variant(sr_stream=1), 1: Variant(sr_stream=
 
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
-# about the same bytes for other dstate); measured on an H200 (bench/README.md).
-_TILE_ROWS = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
+# about the same bytes for other dstate); measured on an H200 (bench/README.md, "Conventional
+# tiles"). The 16- and 8-bit kernels are bound by instruction issue, so the tile sets how much of
+# a program's fixed work each element pays: 32 × 128 with 4 warps took fp16 from 381 to 315 µs
+# at batch 256, 32 × 128 with 2 warps fp8_e4m3:row from 291 to 266 and int8:row from 338 to 329.
+# With stochastic rounding (more registers per element) those tiles were slower, so +sr formats
+# keep the earlier ones.
+_TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (32, 2)}
+_TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 
 
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
-                on_gpu: bool = True):
+                on_gpu: bool = True, stochastic: bool = False):
     """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element."""
     block_n = max(32, triton.next_power_of_2(dstate))
-    rows, warps = _TILE_ROWS[element_bytes]
+    rows, warps = (_TILE_ROWS_SR if stochastic else _TILE_ROWS)[element_bytes]
     if granularity == codec.GRAN_HEAD:
         block_p = triton.next_power_of_2(headdim)
         return block_p, block_n, (8 if block_p * block_n >= 8192 else 4)
@@ -342,7 +348,7 @@ def launch(
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
     config_p, block_n, warps = tile_config(state.element_size(), headdim, dstate, granularity, batch, nheads,
-                                          state.device.type == "cuda")
+                                          state.device.type == "cuda", stochastic)
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a

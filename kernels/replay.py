@@ -462,9 +462,13 @@ def _replay_flush_kernel(
 # against 278.7 / 269.3 grouped, int8 264.1 against 274.7, bf16 checkpoint + fp8 288.3 against
 # 296.7) and won with a 32-token ring (308.8 against 256.1): so with a read copy it is the default
 # only from GROUPED_MIN_RING_WITH_READ tokens of ring up.
-# (rows of headdim, warps) of the per-head step kernel's tile: 32 rows with 2 warps were fastest
-# for fp32 and fp8 states in the H200 sweep (bench/README.md, "Replay decode").
-STEP_TILE = (32, 2)
+# (rows of headdim, warps) of the per-head step kernel's tile, by bytes per element of the state
+# it reads. The step is bound by instruction issue (ncu on the H200: 0.84 warps issued per
+# scheduler per cycle, DRAM 25 %), so a tile is as fast as its instructions per state element:
+# with an fp8 read copy 64 rows × 2 warps took the normal step at batch 256 from 173.6 to
+# 103.3 µs (32 × 1: 122.2; 64 × 4: 182.0); with an fp32 checkpoint 32 × 2 stayed fastest (265.9
+# against 300.4 and 279.0). 16-bit read copies were not swept and keep 32 × 2.
+STEP_TILE = {4: (32, 2), 2: (32, 2), 1: (64, 2)}
 DEFAULT_HEADS_PER_PROGRAM = 8
 GROUPED_MIN_BATCH = 128
 GROUPED_MIN_RING_WITH_READ = 32
@@ -554,11 +558,12 @@ def launch_replay_decode(
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )
     else:
-        block_p = step_block_p or min(triton.next_power_of_2(headdim), STEP_TILE[0])
+        tile_rows, tile_warps = STEP_TILE[state.element_size()]
+        block_p = step_block_p or min(triton.next_power_of_2(headdim), tile_rows)
         num_p_tiles = triton.cdiv(headdim, block_p)
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
-            NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or STEP_TILE[1],
+            NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps,
             **step_flags,
         )
     # A per-head scale needs the whole head in one flush tile.
