@@ -237,10 +237,12 @@ def check_kernel(device, steps=3):
 
 def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
     """Every timed variant against the default path on the GPU, with padding rows: untouched
-    slots bit for bit, padded outputs zero, outputs within 1e-5 relative RMS of the default's
-    (another code shape may contract other FMAs), < 0.1 % codes differing for the same noise
-    stream; with the four-word stream (other noise) int8 codes within one step of the default's.
-    Returns (failures, report rows)."""
+    slots bit for bit, padded outputs zero, every output within one bf16 rounding of the
+    default's (another code shape contracts other FMAs and sums in another order, so the fp32
+    values differ in their last bits and a bf16 output may round the other way: at most one
+    bf16 ulp, ``2**-7·max(|a|, |b|)``), < 0.1 % codes differing for the same noise stream; with
+    the four-word stream (other noise) int8 codes within one step of the default's. Returns
+    (failures, report rows)."""
     failures, report = [], []
     nslots, batch, H, P, N, G = 6, 4, nheads, headdim, dstate, ngroups
     indices = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=device)
@@ -284,6 +286,9 @@ def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
             padded_zero = bool((out[1] == 0).all() and (out[3] == 0).all())
             live = [0, 2]
             rel = ((out[live].double() - ref_out[live].double()).norm() / ref_out[live].double().norm()).item()
+            one_rounding = bool(((out[live].double() - ref_out[live].double()).abs()
+                                 <= 2.0 ** -7 * torch.maximum(out[live].double().abs(),
+                                                              ref_out[live].double().abs())).all())
             same_stream = not fmt.stochastic or (variants[tag][0] is None or variants[tag][0].sr_stream == 0)
             if same_stream:
                 differing = (_bits(state[[3, 0]]) != _bits(ref_state[[3, 0]])).double().mean().item()
@@ -292,7 +297,7 @@ def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
                 differing = (state[[3, 0]].int() - ref_state[[3, 0]].int()).abs().max().item() if fmt.dtype == "int8" \
                     else float("nan")
                 codes_ok = fmt.dtype != "int8" or differing <= 1
-            ok = untouched and padded_zero and rel < 1e-5 and codes_ok
+            ok = untouched and padded_zero and one_rounding and codes_ok
             report.append(dict(format=text, variant=tag, untouched=untouched, padded_zero=padded_zero, out_rel=rel,
                                codes_differing=differing, ok=ok))
             if not ok:

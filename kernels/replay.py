@@ -10,8 +10,7 @@ flush list (an atomic counter) and gets its output from the flush kernel.
 Grouped step kernel (``launch_replay_decode(heads_per_program=k)``, ``k ≥ 1``), grid
 ``(nheads / k × P-tiles, batch)``: the same work and bookkeeping for ``k`` heads of one group
 per program, with what the heads share (slot, cursor, the ring's B and ``B_j · C``) loaded or
-computed once. Which kernel runs by default: ``DEFAULT_HEADS_PER_PROGRAM``, ``GROUPED_MIN_BATCH`` and
-``GROUPED_MIN_RING_WITH_READ``.
+computed once. Which kernel runs by default: ``default_heads_per_program``.
 
 Flush kernel, grid ``(G, nheads)`` with ``G`` small (a few programs per multiprocessor, not one
 per row): each program walks the flush list for its head, folds the ring into the checkpoint
@@ -453,25 +452,25 @@ def _replay_flush_kernel(
             tl.store(flush_counters_ptr + 1, 0)
 
 
-# Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program;
-# k >= 1 = the grouped kernel with up to k heads per program. On the H200 (bench/README.md, run of
-# 86f85bd) the grouped kernel with 8 heads won at batch 256 (fp32 checkpoint, no read copy: 377 µs
-# against 442; rings 8 and 32 about 20 % faster; fp8 read copy a tie) and lost below it (batch 1:
-# 18 µs against 7), so it is the default from GROUPED_MIN_BATCH rows up. With an 8-bit read copy
-# and a 16-token ring it lost in the runs of 020111a and 3f91e7e (fp8 270.1 / 262.6 µs per-head
-# against 278.7 / 269.3 grouped, int8 264.1 against 274.7, bf16 checkpoint + fp8 288.3 against
-# 296.7) and won with a 32-token ring (308.8 against 256.1): so with a read copy it is the default
-# only from GROUPED_MIN_RING_WITH_READ tokens of ring up.
 # (rows of headdim, warps) of the per-head step kernel's tile, by bytes per element of the state
 # it reads. The step is bound by instruction issue (ncu on the H200: 0.84 warps issued per
 # scheduler per cycle, DRAM 25 %), so a tile is as fast as its instructions per state element:
 # with an fp8 read copy 64 rows × 2 warps took the normal step at batch 256 from 173.6 to
 # 103.3 µs (32 × 1: 122.2; 64 × 4: 182.0); with an fp32 checkpoint 32 × 2 stayed fastest (265.9
-# against 300.4 and 279.0). 16-bit read copies were not swept and keep 32 × 2.
+# against 300.4 and 279.0). 16-bit read copies were not swept and keep 32 × 2. Below
+# STEP_MIN_PROGRAMS programs the tile is split down to 32 rows, so a small batch still spreads
+# over the GPU (batch 1, fp8: 6.2 µs with 64-row tiles against 5.6–5.9 with 32).
 STEP_TILE = {4: (32, 2), 2: (32, 2), 1: (64, 2)}
+STEP_MIN_PROGRAMS = 1024
+# Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program;
+# k >= 1 = the grouped kernel with up to k heads per program. In the H200 run of a64908d (whole
+# flush cycles, batch 256) the per-head kernel won with every read copy (fp8 176.5 µs against
+# 256.9 grouped, int8 185.3 / 264.4, bf16 checkpoint + fp8 199.5 / 280.1; rings of 8 and 32
+# tokens 228.5 / 259.6 and 185.0 / 250.5) and the grouped kernel without one (342.9 against
+# 373.6; batch 64: 98.2 against 105.8; batch 16: 39.6 against 36.4; batch 1: 19.2 against 6.4).
+# So the grouped kernel is the default without a read copy from GROUPED_MIN_BATCH rows up.
 DEFAULT_HEADS_PER_PROGRAM = 8
-GROUPED_MIN_BATCH = 128
-GROUPED_MIN_RING_WITH_READ = 32
+GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 4
 GROUPED_STAGES = 2
 # Flush programs per multiprocessor, each walking the flush list for one (head, P-tile); 64 and
@@ -484,12 +483,10 @@ FLUSH_PROGRAMS_PER_SM = 16
 FLUSH_TILE = (32, 4)
 
 
-def default_heads_per_program(batch: int, has_read: bool, ring_len: int) -> int:
-    """The step kernel the launcher picks when not told: the grouped kernel's
-    ``DEFAULT_HEADS_PER_PROGRAM`` from ``GROUPED_MIN_BATCH`` rows up (with a read copy, only from a
-    ring of ``GROUPED_MIN_RING_WITH_READ`` tokens up), else 0 (one head per program)."""
-    grouped = batch >= GROUPED_MIN_BATCH and (not has_read or ring_len >= GROUPED_MIN_RING_WITH_READ)
-    return DEFAULT_HEADS_PER_PROGRAM if grouped else 0
+def default_heads_per_program(batch: int, has_read: bool) -> int:
+    """The step kernel the launcher picks when not told: without a read copy the grouped kernel's
+    ``DEFAULT_HEADS_PER_PROGRAM`` from ``GROUPED_MIN_BATCH`` rows up, else 0 (one head per program)."""
+    return DEFAULT_HEADS_PER_PROGRAM if batch >= GROUPED_MIN_BATCH and not has_read else 0
 
 
 def grouped_heads_per_program(requested: int, heads_per_group: int) -> int:
@@ -516,9 +513,8 @@ def launch_replay_decode(
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
     stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s.
-    ``heads_per_program`` picks the step kernel (None: ``DEFAULT_HEADS_PER_PROGRAM`` from
-    ``GROUPED_MIN_BATCH`` rows up, with a read copy only from a ring of
-    ``GROUPED_MIN_RING_WITH_READ`` tokens up, else 0; 0: one head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
+    ``heads_per_program`` picks the step kernel (None: :func:`default_heads_per_program`; 0: one
+    head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
     kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
     batch, nheads, headdim = x.shape
@@ -545,7 +541,7 @@ def launch_replay_decode(
                       HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), BLOCK_L=block_l, **common)
     heads_per_group = nheads // ngroups
     if heads_per_program is None:
-        heads_per_program = default_heads_per_program(batch, has_read, L)
+        heads_per_program = default_heads_per_program(batch, has_read)
     if heads_per_program:
         per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
         block_p = step_block_p or triton.next_power_of_2(headdim)
@@ -559,7 +555,10 @@ def launch_replay_decode(
         )
     else:
         tile_rows, tile_warps = STEP_TILE[state.element_size()]
-        block_p = step_block_p or min(triton.next_power_of_2(headdim), tile_rows)
+        block_p = min(triton.next_power_of_2(headdim), tile_rows)
+        while block_p > 32 and batch * nheads * triton.cdiv(headdim, block_p) < STEP_MIN_PROGRAMS:
+            block_p //= 2
+        block_p = step_block_p or block_p
         num_p_tiles = triton.cdiv(headdim, block_p)
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
