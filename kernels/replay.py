@@ -168,13 +168,15 @@ def _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count
 
     One ``[BLOCK_P, 16] × [16, BLOCK_N]`` product per 16 tokens ("ieee": fp32 products): a
     single product over a 32-token ring took every register and spilled, and one rank-1 update
-    per token was slower on the H200 (replay flush step 1360 µs against 1221, batch 256)."""
+    per token was slower on the H200 (replay flush step 1360 µs against 1221, batch 256). Only
+    the chunks that hold tokens are multiplied (the products are FMAs, most of the kernel's
+    instructions): a verify flush folds 13–20 tokens of a 32-token tile."""
     CHUNK: tl.constexpr = 16
     js = tl.arange(0, BLOCK_J)
     total = tl.sum(tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < count, other=0.0), axis=0)
     ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
-    before = 0.0  # Σ dt of the earlier chunks
-    for c in tl.static_range(BLOCK_J // CHUNK):
+    before = total * 0.0  # Σ dt of the earlier chunks (an fp32 tensor, as the loop carries it)
+    for c in range(0, tl.cdiv(count, CHUNK)):
         jc = c * CHUNK + tl.arange(0, CHUNK)
         live = jc < count
         dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=live, other=0.0)  # [CHUNK]

@@ -83,12 +83,14 @@ def _draft_outputs(
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     headdim, dstate,
     CAP: tl.constexpr, T: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, BC_ROWS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The T outputs of one (row, head, P-tile) from ``state · row_scale[:, None]``
     ([BLOCK_P, BLOCK_N] and [BLOCK_P] fp32, :func:`_load_scaled_codes`: the values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
-    joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i.
+    joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i;
+    ``BLOCK_J`` covers positions up to ``n + T`` (the caller's bound on n), ``BC_ROWS`` is the
+    row stride of ``BC_ptr``.
     The drafts are also stored into the ring at ``n + i``.
 
     All drafts are computed together as ``[BLOCK_P, BLOCK_T]`` tiles, and every global load is
@@ -108,7 +110,7 @@ def _draft_outputs(
     if HAS_Z:
         z_d = tl.load(z_ptr + b * stride_z_b + ts[None, :] * stride_z_t + h * stride_z_h + rows[:, None], mask=tile_t,
                       other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_T]
-    BC = tl.load(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_J, BLOCK_T]
+    BC = tl.load(BC_ptr + ((b * ngroups + g) * BC_ROWS + js[:, None]) * BLOCK_T + ts[None, :])  # [BLOCK_J, BLOCK_T]
     dt_ring = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=committed, other=0.0)
     dt_draft = tl.load(dt_ptr + b * stride_dt_b + d * stride_dt_t + h, mask=is_draft, other=0.0).to(tl.float32)
     x_ring = tl.load(ring_x_ptr + (ring_head * CAP + js[:, None]) * headdim + rows[None, :],
@@ -230,7 +232,8 @@ def _verify_kernel(
                 ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
                 stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
                 stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-                stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+                stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_J, BLOCK_P,
+                BLOCK_N,
                 BLOCK_T,
             )
 
@@ -285,7 +288,7 @@ def _verify_flushed_rows_kernel(
     nheads, headdim, dstate, heads_per_group,
     CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, BC_ROWS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -311,7 +314,8 @@ def _verify_flushed_rows_kernel(
             ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
             stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-            stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_P, BLOCK_N,
+            stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BC_ROWS, BLOCK_J, BLOCK_P,
+            BLOCK_N,
             BLOCK_T,
         )
     # The last program to finish zeroes the flushed rows' cursors (every fold has read them: the
@@ -461,6 +465,12 @@ def launch_replay_verify(
     block_n = max(32, triton.next_power_of_2(dstate))
     block_j = max(16, triton.next_power_of_2(cap))
     block_t = max(2, triton.next_power_of_2(T))
+    # Joint-sequence positions a verify can use: a row that does not flush has n = 0 or
+    # n ≤ cap − 2T committed tokens, so n + T ≤ max(cap − T, T); the flushed rows have n = 0.
+    # Tiles no longer than that (16 instead of 32 positions at T = 4, L = 16) keep the ring part
+    # of the verify, which is bound by instruction issue, to the positions in use.
+    bc_rows = max(4, triton.next_power_of_2(max(cap - T, T)))
+    flushed_rows_j = max(4, triton.next_power_of_2(T))
     whole_state_head = state_fmt.granularity == "head"
     # A per-head scale needs the whole head in one tile.
     verify_p, verify_warps = VERIFY_TILE["fp32" if state_fmt.dtype == "fp32" else "narrow"]
@@ -477,11 +487,11 @@ def launch_replay_verify(
     flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                  HAS_SLOTS=slot_indices is not None)
     # B_j · C_i once per row and group (every head and tile of the group reads it).
-    BC = torch.empty((batch, ngroups, block_j, block_t), dtype=torch.float32, device=x.device)
+    BC = torch.empty((batch, ngroups, bc_rows, block_t), dtype=torch.float32, device=x.device)
     _group_BC_kernel[(batch, ngroups)](
         B, C, slots_arg, ring_B, cursor, BC, B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
         C.stride(2), checkpoint.shape[0], dstate, CAP=cap, T=T, HAS_SLOTS=slot_indices is not None,
-        BLOCK_J=block_j, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
+        BLOCK_J=bc_rows, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
     )
     _verify_kernel[(nheads * num_p_tiles, batch)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
@@ -489,7 +499,7 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
         *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=num_p_tiles, BLOCK_J=block_j, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        NUM_P_TILES=num_p_tiles, BLOCK_J=bc_rows, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
         num_warps=num_warps, **flags,
     )
     # The flush walks the list in a few programs per multiprocessor.
@@ -522,7 +532,8 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
         *strides, nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=rows_p_tiles, BLOCK_J=block_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
+        NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows, BLOCK_J=flushed_rows_j, BLOCK_P=rows_p, BLOCK_N=block_n,
+        BLOCK_T=block_t,
         BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps, **flags,
     )
 
