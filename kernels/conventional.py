@@ -304,12 +304,14 @@ DEFAULT_VARIANTS = {4: Variant(), 2: Variant(sr_stream=1), 1: Variant(sr_stream=
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
 # about the same bytes for other dstate); measured on an H200 (bench/README.md, "Conventional
-# tiles"). The 16- and 8-bit kernels are bound by instruction issue, so the tile sets how much of
-# a program's fixed work each element pays: 32 × 128 with 4 warps took fp16 from 381 to 315 µs
-# at batch 256, 32 × 128 with 2 warps fp8_e4m3:row from 291 to 266 and int8:row from 338 to 329.
-# With stochastic rounding (more registers per element) those tiles were slower, so +sr formats
-# keep the earlier ones.
-_TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (32, 2)}
+# tiles"). The 16- and 8-bit kernels are bound by instruction issue (ncu: 0.80 warps issued per
+# scheduler per cycle for int8:row, DRAM 27 %), so the tile sets how much of a program's fixed
+# work each element pays and how many warps hide the rest: at batch 256, fp16 took 381 µs with
+# 64 × 128 and 8 warps, 320 with 32 × 128 and 4, 308 with 16 × 128 and 2 (bf16 313, 315, 315);
+# 32 × 128 with 2 warps took fp8_e4m3:row from 291 to 266 and int8:row from 338 to 329. With
+# stochastic rounding (more registers per element) those tiles were slower, so +sr formats keep
+# the earlier ones.
+_TILE_ROWS = {4: (16, 4), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 
 

@@ -1,5 +1,9 @@
 """The benchmark helpers that run on the CPU too (the GPU timing itself runs through bench/run_gpu.py)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from bench import breakdown
@@ -19,3 +23,23 @@ def test_set_constant_sets_a_launcher_constant_to_a_literal(monkeypatch):
 def test_set_constant_rejects_what_it_cannot_set(assignment, message):
     with pytest.raises(ValueError, match=message):
         breakdown.set_constant(assignment)
+
+
+def test_sass_count_compiles_a_kernel_for_sm90_without_a_gpu():
+    """The offline instruction count: the conventional kernel compiled by Triton's ptxas. In its
+    own process: this one imported the kernels for the interpreter (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "bench.sass_count", "conventional", "--format", "fp8_e4m3:row"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = result.stdout.strip()
+    assert line.startswith("_conventional_kernel: grid (2, 128, 256), 2 warps")
+    per_element = float(line.split(": ")[-1].split()[0])
+    assert 0.05 < per_element < 5.0  # a real listing, not an empty one
+
+
+def test_run_case_lists_cases_and_rejects_unknown_names(capsys):
+    from bench import run_case
+    assert run_case.main(["--list"]) == 0
+    assert "replay/b256/fp32+fp8_e4m3:row/L16/per-head/normal-step" in capsys.readouterr().out.split("\n")
+    assert run_case.main(["no-such-case"]) == 2

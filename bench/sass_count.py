@@ -1,0 +1,192 @@
+"""Instructions per state element of the kernels one op launches, counted offline: each launch
+is compiled for sm_90 with the ptxas that ships with Triton (no GPU needed) and its SASS listed
+with cuobjdump. The replay step, the verify and the conventional 8/16-bit kernels are bound by
+instruction issue on the H200 (bench/README.md, "Where the time goes"), so this count ranks
+tiles before a GPU run; the GPU sweep decides.
+
+    python3 -m bench.sass_count replay --read fp8_e4m3:row
+    python3 -m bench.sass_count verify --read fp8_e4m3:row --set qstate.kernels.speculative.VERIFY_TILE="{...}"
+    python3 -m bench.sass_count conventional --format int8:row
+
+Shapes: the Nemotron-H-8B layer (128 heads × 64 × 128, 8 groups), batch 256, bf16 inputs,
+ring 16, T = 4. Per kernel it prints registers, instructions per thread in the listing, and
+those times the warps over the elements of one ``[BLOCK_P, BLOCK_N]`` tile: warp-instructions
+per state element. A loop's body is listed once, so for the flush kernels (a loop over listed
+rows) and the grouped step kernel (a loop over heads) the per-element figure is per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU; nothing is launched
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from .breakdown import set_constant  # noqa: E402
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8",
+          torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+BATCH = 256
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` is recorded."""
+
+    def __init__(self, kernel, name, launches):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.name, self.kernel, grid, args, kwargs))
+
+
+def record(module, names):
+    """Replace ``module``'s kernels ``names`` by recorders; returns the list they append to."""
+    launches = []
+    for name in names:
+        setattr(module, name, _Recorder(getattr(module, name), name, launches))
+    return launches
+
+
+def compile_sm90(kernel, args, kwargs):
+    """Compile one recorded launch for sm_90 (the GPU's conversion instructions on)."""
+    kwargs = dict(kwargs)
+    num_warps = kwargs.pop("num_warps", 4)
+    if "HW" in kernel.arg_names:
+        kwargs["HW"] = True
+    signature, constants, attrs = {}, {}, {}
+    values = list(args) + [None] * (len(kernel.arg_names) - len(args))
+    for i, name in enumerate(kernel.arg_names):
+        value = kwargs[name] if name in kwargs else values[i]
+        if name in kwargs or value is None:
+            signature[name], constants[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            # Triton specializes 1 and multiples of 16 the same way when it launches.
+            if value == 1:
+                signature[name], constants[name] = "constexpr", 1
+            else:
+                signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)), num_warps
+
+
+def count(compiled):
+    """(registers, instruction mnemonics) of a compiled kernel."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), _INSTRUCTION.findall(sass)
+
+
+def _bf16(*shape):
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+def launch_replay(read):
+    from qstate.cache import ReplayCache
+    from qstate.kernels import replay
+    launches = record(replay, ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"])
+    H, P, N, G = LAYER.values()
+    cache = ReplayCache.allocate(BATCH, H, P, N, G, ring_len=16, read=read, device="cpu")
+    t = cache.tensors()
+    for heads_per_program in (0, replay.DEFAULT_HEADS_PER_PROGRAM):
+        replay.launch_replay_decode(
+            _bf16(BATCH, H, P), _bf16(BATCH, H), -torch.rand(H), _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H),
+            _bf16(BATCH, H, P), torch.randn(H), True, None, _bf16(BATCH, H, P),
+            *(t[k] for k in ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
+                             "cursor", "generation", "flush_rows", "flush_counters")),
+            checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=0,
+            heads_per_program=heads_per_program)
+    return launches
+
+
+def launch_verify(read, T=4):
+    from qstate.cache import ReplayCache
+    from qstate.kernels import speculative
+    launches = record(speculative, ["_group_BC_kernel", "_verify_kernel", "_verify_flush_kernel",
+                                    "_verify_flushed_rows_kernel"])
+    H, P, N, G = LAYER.values()
+    cache = ReplayCache.allocate(BATCH, H, P, N, G, ring_len=16, read=read, device="cpu", max_draft=T)
+    t = cache.tensors()
+    speculative.launch_replay_verify(
+        _bf16(BATCH, T, H, P), _bf16(BATCH, T, H), -torch.rand(H), _bf16(BATCH, T, G, N), _bf16(BATCH, T, G, N),
+        torch.ones(H), _bf16(BATCH, T, H, P), torch.randn(H), True, None, _bf16(BATCH, T, H, P),
+        *(t[k] for k in ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
+                         "cursor", "generation", "drafts", "flush_rows", "flush_counters")),
+        checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=0)
+    return launches
+
+
+def launch_conventional(text):
+    from qstate import formats
+    from qstate.kernels import codec, conventional
+    launches = record(conventional, ["_conventional_kernel"])
+    fmt = formats.StateFormat.parse(text)
+    H, P, N, G = LAYER.values()
+    q = formats.quantize(torch.randn(BATCH, H, P, N), fmt)
+    gran = codec.granularity_code(fmt)
+    # The GPU's tile (on CPU tensors the launcher would pick the interpreter's).
+    block_p, _, num_warps = conventional.tile_config(fmt.storage_dtype.itemsize, P, N, gran, BATCH, H,
+                                                     stochastic=fmt.stochastic)
+    conventional.launch(
+        codec.storage_view(q.data, fmt), q.scale, _bf16(BATCH, H, P), _bf16(BATCH, H), -torch.rand(H),
+        _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H), _bf16(BATCH, H, P), torch.randn(H), None,
+        _bf16(BATCH, H, P), 1, None, dtype_code=codec.dtype_code(fmt), granularity=gran, stochastic=fmt.stochastic,
+        qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=H // G,
+        block_p=block_p, num_warps=num_warps)
+    return launches
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("op", choices=("replay", "verify", "conventional"))
+    parser.add_argument("--read", default="fp8_e4m3:row", help="read copy of replay/verify ('none': none)")
+    parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    parser.add_argument("--mix", type=int, default=0, help="also print the N most frequent instructions")
+    args = parser.parse_args(argv)
+    for assignment in args.set:
+        set_constant(assignment)
+    read = None if args.read == "none" else args.read
+    launches = {"replay": lambda: launch_replay(read), "verify": lambda: launch_verify(read),
+                "conventional": lambda: launch_conventional(args.format)}[args.op]()
+    for name, kernel, grid, call_args, kwargs in launches:
+        compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
+        registers, instructions = count(compiled)
+        line = f"{name}: grid {grid}, {num_warps} warps, {registers} registers, {len(instructions)} instructions per thread"
+        if "BLOCK_P" in kwargs:
+            tile = kwargs["BLOCK_P"] * kwargs["BLOCK_N"]
+            line += (f", tile {kwargs['BLOCK_P']} x {kwargs['BLOCK_N']}: "
+                     f"{len(instructions) * num_warps / tile:.3f} warp-instructions per state element")
+        print(line, flush=True)
+        if args.mix:
+            print("   ", collections.Counter(instructions).most_common(args.mix))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
