@@ -303,8 +303,8 @@ DEFAULT_VARIANTS = {4: Variant(), 2: Variant(sr_stream=1), 1: Variant(sr_stream=
 
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
-# about the same bytes for other dstate); measured on an H200 (bench/README.md, "Conventional
-# tiles"). The 16- and 8-bit kernels are bound by instruction issue (ncu: 0.80 warps issued per
+# about the same bytes for other dstate); measured on an H200 (bench/README.md, the tile table
+# of the 7b54e1a run). The 16- and 8-bit kernels are bound by instruction issue (ncu: 0.80 warps issued per
 # scheduler per cycle for int8:row, DRAM 27 %), so the tile sets how much of a program's fixed
 # work each element pays and how many warps hide the rest: at batch 256, fp16 took 381 µs with
 # 64 × 128 and 8 warps, 320 with 32 × 128 and 4, 308 with 16 × 128 and 2 (bf16 313, 315, 315);

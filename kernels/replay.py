@@ -226,7 +226,7 @@ def _replay_step_kernel(
     else:
         # Loads that do not depend on the cursor go first, so their latency overlaps its load;
         # the state tile is reduced to S·C at once, so it does not hold registers through the
-        # ring work (127 → fewer registers per thread, more programs resident per SM).
+        # ring work.
         mask = mask_p[:, None] & mask_n[None, :]
         state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim,
                                               dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
