@@ -43,3 +43,16 @@ def test_run_case_lists_cases_and_rejects_unknown_names(capsys):
     assert run_case.main(["--list"]) == 0
     assert "replay/b256/fp32+fp8_e4m3:row/L16/per-head/normal-step" in capsys.readouterr().out.split("\n")
     assert run_case.main(["no-such-case"]) == 2
+
+
+def test_traffic_check_puts_predicted_and_measured_speed_ups_side_by_side():
+    from bench import traffic_check
+    results = {traffic_check.CASES["fp32"]: dict(us=600.0, pct_copy=90.0),
+               traffic_check.CASES["int8:row"]: dict(us=300.0, pct_copy=45.0)}
+    rows = traffic_check.table(results).splitlines()
+    assert len(rows) == 4  # header, rule, fp32, int8:row
+    assert rows[2].startswith("| `fp32` | 8.00 | 1.00× | 600.0 | 1.00× | 90 % |")
+    # 8 bytes against 2.06 (codes and a row scale per 128 elements): 3.88× predicted, 2× measured.
+    assert rows[3].startswith("| `int8:row` | 2.06 | 3.88× | 300.0 | 2.00× |")
+    with pytest.raises(ValueError, match="fp32 baseline"):
+        traffic_check.table({traffic_check.CASES["int8:row"]: dict(us=1.0, pct_copy=1.0)})
