@@ -110,7 +110,11 @@ def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
     ``quantize(dequantize(checkpoint))`` (round-to-nearest read formats); outputs or the
     materialized state are off the reference by more than 5e-3 relative RMS (1e-2 for ``+sr``:
     other noise than the reference's; the fp32-folded checkpoint may round to another code than
-    the fp64 fold, which moves outputs by up to a grid step of the read format); or a grouped
+    the fp64 fold, which moves outputs by up to a grid step of the read format); or, with an fp32
+    checkpoint, the materialized state is off by more than 1e-5 (each fp32 fold is within
+    ``κ_fold·u`` ≈ 1e-6 of the absolute sum, kernels/README.md "Error bounds"; a fold whose
+    products lost fp32 precision, e.g. bf16 tensor-core products of unsplit factors, is ~1e-3
+    off; the speculative check uses the same 1e-5); or a grouped
     kernel's checkpoint is not bit-identical to the per-head kernel's (the same flush kernel folds
     the same ring), or its outputs differ from the per-head kernel's by more than 1e-5 relative RMS
     (4e-3 with bf16 outputs: one bf16 rounding either side). With ``sweep``, also every tile of
@@ -148,8 +152,10 @@ def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
                 problems.append("non-finite outputs")
             if mismatches:
                 problems.append(f"{mismatches} read codes/scales differ")
-            if not (row["y_rel_rms"] <= tol and row["state_rel_rms"] <= tol):
-                problems.append(f"y rel {row['y_rel_rms']:.2e} state rel {row['state_rel_rms']:.2e} (tol {tol:g})")
+            state_tol = 1e-5 if ck == "fp32" else tol
+            if not (row["y_rel_rms"] <= tol and row["state_rel_rms"] <= state_tol):
+                problems.append(f"y rel {row['y_rel_rms']:.2e} (tol {tol:g}) state rel {row['state_rel_rms']:.2e} "
+                                f"(tol {state_tol:g})")
             if baseline is None:
                 baseline = (y, cache.checkpoint.cpu())
             else:

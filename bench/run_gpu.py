@@ -21,7 +21,7 @@ import torch
 
 from . import harness
 
-CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_speculative")
+CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_speculative", "bench.cases_exact_dot")
 # Only functions named check_codec / check_kernel / sweep_cases / eager_overhead / annotate and
 # cases registered with harness.register are used from each module.
 

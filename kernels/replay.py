@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec
+from . import codec, exact_dot
 from .softplus import softplus
 
 
@@ -66,15 +66,21 @@ def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.con
 @triton.jit
 def _load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                        DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, AS_BF16: tl.constexpr = False):
     """One head's ``[BLOCK_P, BLOCK_N]`` tile as ``(values, row_scale)`` with ``code · scale =
     values · row_scale[:, None]``: a row or head scale is returned apart (``[BLOCK_P]``), so a
     dot over dstate multiplies by it once per row instead of once per element (the step and
     verify kernels are bound by instruction issue); block32 scales are applied to ``values``.
-    Scales are loaded at their own granularity (a per-element gather costs as much as the codes)."""
+    Scales are loaded at their own granularity (a per-element gather costs as much as the codes).
+    ``AS_BF16``: the values as :func:`exact_dot.bf16_codes` gives them (formats with
+    ``exact_dot.exact_in_bf16``), for a tensor-core product."""
     head = slot.to(tl.int64) * nheads + h
     codes = tl.load(codes_ptr + head * headdim * dstate + rows[:, None] * dstate + cols[None, :], mask=mask, other=0)
-    values = codec.decode(codes, DTYPE, HW)
+    if AS_BF16:
+        tl.static_assert(GRAN != 3)
+        values = exact_dot.bf16_codes(codes, DTYPE, HW)
+    else:
+        values = codec.decode(codes, DTYPE, HW)
     if GRAN == 1:
         row_scale = tl.load(scale_ptr + head * headdim + rows, mask=rows < headdim, other=1.0)
     elif GRAN == 2:
@@ -394,7 +400,8 @@ def _replay_flush_kernel(
     HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(1), heads_per_group, headdim, dstate,
@@ -403,7 +410,7 @@ def _replay_flush_kernel(
     mask = mask_p[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + h).to(tl.float32)
     count = tl.load(flush_counters_ptr)
-    for r in range(pid, count, programs):
+    for r in tl.range(pid, count, programs, num_stages=LOOP_STAGES):
         b = tl.load(flush_rows_ptr + r)
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         ring_head = slot.to(tl.int64) * nheads + h
@@ -483,6 +490,11 @@ FLUSH_PROGRAMS_PER_SM = 16
 # and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
 # rows; 64 rows or 8 warps were slower.
 FLUSH_TILE = (32, 4)
+# Software-pipeline stages of the flush kernel's loop over listed rows, by whether it writes a
+# read copy (None: the compiler's default). H200, batch 256, every row flushing (bench/README.md):
+# without a read copy 3 stages took 729 µs against 914 (2: 785); with an fp8 read copy they
+# were slower, 1359 (2: 1397) against 952.
+FLUSH_STAGES = {False: 3, True: None}
 
 
 def default_heads_per_program(batch: int, has_read: bool) -> int:
@@ -591,6 +603,6 @@ def launch_replay_decode(
         RD_SR=read_format.stochastic if has_read else False,
         RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
         RD_EMAX=codec.emax(read_format) if has_read else 0,
-        NUM_P_TILES=flush_p_tiles, BLOCK_L=max(16, block_l), BLOCK_P=flush_block_p, BLOCK_N=block_n,
-        BLOCK_R=block_r, num_warps=8 if whole_head else FLUSH_TILE[1], **common,
+        NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
+        BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=8 if whole_head else FLUSH_TILE[1], **common,
     )

@@ -11,7 +11,8 @@ Verify, four launches that keep every decision on the device:
   whose ring could not hold the next round's drafts (``n > 0`` and ``n + 2T > capacity``) goes
   on the flush list and waits. Every other row computes its T outputs from the read copy (or
   checkpoint), the ``n`` committed ring tokens and the drafts, causally, and appends the drafts
-  at ``n … n+T−1``.
+  at ``n … n+T−1``. ``S · C_i`` over a state whose codes are exact in bf16 is one tensor-core
+  product for all drafts (``exact_dot.py``).
 * ``_verify_flush_kernel``, grid ``(G, nheads × P-tiles)``: for each listed row folds the ``n``
   committed tokens into the checkpoint (fp32, from the stored checkpoint) and stores it and the
   read copy. It computes no outputs: their registers made it the slowest kernel of a round.
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec
+from . import codec, exact_dot
 from .conventional import tile_config
 from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _num_sms, _process_dt, _slot_of,
                      _store_state)
@@ -51,11 +52,17 @@ ERROR_ACCEPTED_RANGE = 2
 # (batch 256, T = 4: fold 183–291 µs against 177–246).
 FLUSH_PROGRAMS_PER_SM = 16
 FLUSHED_ROWS_PROGRAMS_PER_SM = 4
-# (rows of headdim, warps) of each kernel's tile, by the state it reads (fp32, or 8/16-bit
-# "narrow"), from the H200 sweeps at batch 256, T = 4 (bench/README.md, "Speculative tiles").
-VERIFY_TILE = {"fp32": (8, 1), "narrow": (16, 1)}
+# (rows of headdim, warps) of each kernel's tile, by the state it reads (fp32; "tensor": codes
+# exact in bf16, with the tensor-core S · C_i; other 8/16-bit states "narrow"), from the H200
+# sweeps at batch 256, T = 4 (bench/README.md, "Speculative tiles"). The tensor-core product
+# took the fp8 verify from 168 to 92 registers at 16 rows, so larger tiles pay: 64 rows × 2 warps
+# 169.6 µs, 32 × 1 172.5, 32 × 2 174.1, 16 × 1 202.4.
+VERIFY_TILE = {"fp32": (8, 1), "narrow": (16, 1), "tensor": (64, 2)}
 FLUSH_TILE = (32, 4)
 FLUSHED_ROWS_TILE = (16, 1)
+# S · C_i of states whose codes are exact in bf16 as one tensor-core product (exact_dot.py);
+# False: one FMA dot per draft (the only way for fp32, fp16 and block32 states).
+TENSOR_DOT = True
 
 
 @triton.jit
@@ -76,28 +83,36 @@ def _flushes(n, T: tl.constexpr, CAP: tl.constexpr):
 
 @triton.jit
 def _draft_outputs(
-    state, row_scale, n, b, h, g, rows, cols, mask_p, mask_n, A,
+    state_ptr, state_scale_ptr, slot, n, b, h, g, rows, cols, mask_p, mask_n, A,
     x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-    ring_head, ring_group, p_tile, heads_per_group, ngroups,
+    p_tile, nheads, heads_per_group,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     headdim, dstate,
-    CAP: tl.constexpr, T: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, BC_ROWS: tl.constexpr,
+    CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BC_ROWS: tl.constexpr, C_PARTS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The T outputs of one (row, head, P-tile) from ``state · row_scale[:, None]``
-    ([BLOCK_P, BLOCK_N] and [BLOCK_P] fp32, :func:`_load_scaled_codes`: the values the outputs read), the ``n`` committed ring tokens and the drafts. Position j of the
-    joint sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i;
-    ``BLOCK_J`` covers positions up to ``n + T`` (the caller's bound on n), ``BC_ROWS`` is the
-    row stride of ``BC_ptr``.
-    The drafts are also stored into the ring at ``n + i``.
+    """The T outputs of one (row, head, P-tile) of ``slot`` from its read copy (or checkpoint)
+    ``state_ptr``, the ``n`` committed ring tokens and the drafts. Position j of the joint
+    sequence is ring token j (j < n) or draft j − n; draft i sees positions ≤ n + i; ``BLOCK_J``
+    covers positions up to ``n + T`` (the caller's bound on n), ``BC_ROWS`` is the row stride of
+    ``BC_ptr``. The drafts are also stored into the ring at ``n + i``.
 
+    ``S · C_i``: with ``C_PARTS > 0`` (``exact_dot.input_parts`` of C's dtype, for states whose
+    codes are exact in bf16) one tensor-core product over all drafts, else one FMA dot per draft.
     All drafts are computed together as ``[BLOCK_P, BLOCK_T]`` tiles, and every global load is
     issued before the first reduction: a load behind a cross-warp reduction waits for its barrier,
     and one such round trip per draft made this the slowest kernel of a round. ``B_j · C_i``
     comes from ``BC_ptr`` (``_group_BC_kernel``); the state tile is reduced to S·C_i as soon as
     it is loaded, so it does not hold registers through the rest."""
+    state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols,
+                                          mask_p[:, None] & mask_n[None, :], nheads, headdim, dstate, DTYPE, GRAN, HW,
+                                          BLOCK_P, BLOCK_N, C_PARTS > 0)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
+    ring_head = slot.to(tl.int64) * nheads + h
+    ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+    ngroups = nheads // heads_per_group
     ts = tl.arange(0, BLOCK_T)
     is_t = ts < T
     js = tl.arange(0, BLOCK_J)
@@ -117,11 +132,22 @@ def _draft_outputs(
                      mask=committed[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     x_new = tl.load(x_ptr + b * stride_x_b + d[:, None] * stride_x_t + h * stride_x_h + rows[None, :],
                     mask=is_draft[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    SC = tl.zeros([BLOCK_P, BLOCK_T], tl.float32)  # S · C_i, column i
-    for i in tl.static_range(T):
-        C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
-                      other=0.0).to(tl.float32)
-        SC = tl.where(ts[None, :] == i, tl.sum(state * C_i[None, :], axis=1)[:, None], SC)
+    if C_PARTS > 0:
+        # A product takes at least 16 columns: the drafts' C, then zeros.
+        BLOCK_C: tl.constexpr = 16 if BLOCK_T < 16 else BLOCK_T
+        cs = tl.arange(0, BLOCK_C)
+        C_all = tl.load(C_ptr + b * stride_C_b + cs[:, None] * stride_C_t + g * stride_C_g + cols[None, :],
+                        mask=(cs < T)[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_C, BLOCK_N]
+        SC = exact_dot.dot_columns(state, C_all, C_PARTS, HW)  # [BLOCK_P, BLOCK_C]
+        if BLOCK_C > BLOCK_T:
+            # Columns past BLOCK_T are zero: adding them keeps the first BLOCK_T exactly.
+            SC = tl.sum(tl.reshape(SC, [BLOCK_P, BLOCK_C // BLOCK_T, BLOCK_T]), axis=1)
+    else:
+        SC = tl.zeros([BLOCK_P, BLOCK_T], tl.float32)  # S · C_i, column i
+        for i in tl.static_range(T):
+            C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                          other=0.0).to(tl.float32)
+            SC = tl.where(ts[None, :] == i, tl.sum(state * C_i[None, :], axis=1)[:, None], SC)
     SC = SC * row_scale[:, None]
     if HAS_BIAS:
         dt_draft += tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -201,7 +227,7 @@ def _verify_kernel(
     num_slots, nheads, headdim, dstate, heads_per_group,
     CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, C_PARTS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
@@ -220,21 +246,15 @@ def _verify_kernel(
                 tl.store(flush_rows_ptr + position, b)
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
         if not flush:
-            state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols,
-                                                  mask_p[:, None] & mask_n[None, :], nheads, headdim, dstate, DTYPE,
-                                                  GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
-            A = tl.load(A_ptr + h).to(tl.float32)
-            ring_head = slot.to(tl.int64) * nheads + h
-            ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
             _draft_outputs(
-                state, row_scale, n, b, h, g, rows, cols, mask_p, mask_n, A,
+                state_ptr, state_scale_ptr, slot, n, b, h, g, rows, cols, mask_p, mask_n,
+                tl.load(A_ptr + h).to(tl.float32),
                 x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-                ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
+                p_tile, nheads, heads_per_group,
                 stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
                 stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-                stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J, BLOCK_J, BLOCK_P,
-                BLOCK_N,
-                BLOCK_T,
+                stride_y_h, headdim, dstate, CAP, T, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J,
+                C_PARTS, BLOCK_J, BLOCK_P, BLOCK_N, BLOCK_T,
             )
 
 
@@ -288,7 +308,7 @@ def _verify_flushed_rows_kernel(
     nheads, headdim, dstate, heads_per_group,
     CAP: tl.constexpr, T: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, BC_ROWS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, BC_ROWS: tl.constexpr, C_PARTS: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -303,20 +323,14 @@ def _verify_flushed_rows_kernel(
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         # The flush kernel has stored the new read copy (or checkpoint): the drafts are the
         # ring's only tokens, so they are verified and appended as at cursor 0.
-        state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols,
-                                              mask_p[:, None] & mask_n[None, :], nheads, headdim, dstate, DTYPE, GRAN,
-                                              HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
-        ring_head = slot.to(tl.int64) * nheads + h
-        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         _draft_outputs(
-            state, row_scale, 0, b, h, g, rows, cols, mask_p, mask_n, A,
+            state_ptr, state_scale_ptr, slot, 0, b, h, g, rows, cols, mask_p, mask_n, A,
             x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-            ring_head, ring_group, p_tile, heads_per_group, nheads // heads_per_group,
+            p_tile, nheads, heads_per_group,
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
             stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-            stride_y_h, headdim, dstate, CAP, T, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BC_ROWS, BLOCK_J, BLOCK_P,
-            BLOCK_N,
-            BLOCK_T,
+            stride_y_h, headdim, dstate, CAP, T, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BC_ROWS, C_PARTS,
+            BLOCK_J, BLOCK_P, BLOCK_N, BLOCK_T,
         )
     # The last program to finish zeroes the flushed rows' cursors (every fold has read them: the
     # flush kernel ran before this one) and empties the list for the next call.
@@ -444,6 +458,14 @@ def _format_constants(fmt, prefix):
     }
 
 
+def draft_c_parts(state_fmt, c_dtype: torch.dtype, block_p: int) -> int:
+    """``C_PARTS`` of the draft kernels: the bf16 parts of C for a tensor-core ``S · C_i``, or 0
+    (FMA dots) for states whose codes are not exact in bf16 and tiles of fewer than 16 rows."""
+    if TENSOR_DOT and exact_dot.exact_in_bf16(state_fmt) and block_p >= 16:
+        return exact_dot.input_parts(c_dtype)
+    return 0
+
+
 def launch_replay_verify(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
@@ -473,12 +495,14 @@ def launch_replay_verify(
     flushed_rows_j = max(4, triton.next_power_of_2(T))
     whole_state_head = state_fmt.granularity == "head"
     # A per-head scale needs the whole head in one tile.
-    verify_p, verify_warps = VERIFY_TILE["fp32" if state_fmt.dtype == "fp32" else "narrow"]
+    tile_kind = "fp32" if state_fmt.dtype == "fp32" else "tensor" if draft_c_parts(state_fmt, C.dtype, 16) else "narrow"
+    verify_p, verify_warps = VERIFY_TILE[tile_kind]
     if whole_state_head:
         verify_p, verify_warps = triton.next_power_of_2(headdim), 4
     block_p = block_p or min(triton.next_power_of_2(headdim), verify_p)
     num_warps = num_warps or verify_warps
     num_p_tiles = triton.cdiv(headdim, block_p)
+    c_parts = draft_c_parts(state_fmt, C.dtype, block_p)
     z_arg = z if z is not None else dummy
     slots_arg = slot_indices if slot_indices is not None else dummy
     D_arg = D if D is not None else dummy
@@ -499,8 +523,8 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
         *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=num_p_tiles, BLOCK_J=bc_rows, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
-        num_warps=num_warps, **flags,
+        NUM_P_TILES=num_p_tiles, C_PARTS=c_parts, BLOCK_J=bc_rows, BLOCK_P=block_p, BLOCK_N=block_n,
+        BLOCK_T=block_t, num_warps=num_warps, **flags,
     )
     # The flush walks the list in a few programs per multiprocessor.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
@@ -532,8 +556,8 @@ def launch_replay_verify(
         ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
         *strides, nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows, BLOCK_J=flushed_rows_j, BLOCK_P=rows_p, BLOCK_N=block_n,
-        BLOCK_T=block_t,
+        NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows, C_PARTS=draft_c_parts(state_fmt, C.dtype, rows_p),
+        BLOCK_J=flushed_rows_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
         BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps, **flags,
     )
 
