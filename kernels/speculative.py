@@ -41,7 +41,7 @@ import triton.language as tl
 from . import codec, exact_dot
 from .conventional import tile_config
 from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _num_sms, _process_dt, _slot_of,
-                     _store_state)
+                     _store_state, register_cap)
 from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
@@ -58,6 +58,13 @@ FLUSHED_ROWS_PROGRAMS_PER_SM = 4
 # took the fp8 verify from 168 to 92 registers at 16 rows, so larger tiles pay: 64 rows × 2 warps
 # 169.6 µs, 32 × 1 172.5, 32 × 2 174.1, 16 × 1 202.4.
 VERIFY_TILE = {"fp32": (8, 1), "narrow": (16, 1), "tensor": (64, 2)}
+# Register caps (ptxas .maxnreg; None: its choice): more programs per multiprocessor against a
+# few spills. H200, batch 256, T = 4, fp8 read copy (bench/README.md, "Speculative tiles"):
+# verify at 96 registers 158.7–160.6 µs against 169.1 uncapped (80: 174.7); fold at 128 123.5
+# against 133.6 (96: 136.8); the flushed rows' drafts were no faster capped (96: 55.8 against 53.0).
+VERIFY_MAXNREG = 96
+FLUSH_MAXNREG = 128
+FLUSHED_ROWS_MAXNREG = None
 FLUSH_TILE = (32, 4)
 FLUSHED_ROWS_TILE = (16, 1)
 # S · C_i of states whose codes are exact in bf16 as one tensor-core product (exact_dot.py);
@@ -524,7 +531,7 @@ def launch_replay_verify(
         *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
         NUM_P_TILES=num_p_tiles, C_PARTS=c_parts, BLOCK_J=bc_rows, BLOCK_P=block_p, BLOCK_N=block_n,
-        BLOCK_T=block_t, num_warps=num_warps, **flags,
+        BLOCK_T=block_t, num_warps=num_warps, **register_cap(VERIFY_MAXNREG, x.device), **flags,
     )
     # The flush walks the list in a few programs per multiprocessor.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
@@ -540,7 +547,7 @@ def launch_replay_verify(
         CAP=cap, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
         **_format_constants(read_format, "RD_"), HW=hw, HAS_SLOTS=slot_indices is not None,
         NUM_P_TILES=flush_p_tiles, BLOCK_J=block_j, BLOCK_P=flush_block_p,
-        BLOCK_N=block_n, num_warps=8 if whole_head else FLUSH_TILE[1],
+        BLOCK_N=block_n, num_warps=8 if whole_head else FLUSH_TILE[1], **register_cap(FLUSH_MAXNREG, x.device),
     )
     # The flushed rows' drafts over the new state.
     rows_p, rows_warps = FLUSHED_ROWS_TILE
@@ -558,7 +565,8 @@ def launch_replay_verify(
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
         NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows, C_PARTS=draft_c_parts(state_fmt, C.dtype, rows_p),
         BLOCK_J=flushed_rows_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
-        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps, **flags,
+        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps,
+        **register_cap(FLUSHED_ROWS_MAXNREG, x.device), **flags,
     )
 
 
