@@ -562,3 +562,10 @@ def test_default_step_kernel_by_batch_and_read_copy(batch, has_read, expected):
     """The launcher's default step kernel follows the H200 measurements (kernels/replay.py)."""
     assert replay_kernels.default_heads_per_program(batch, has_read) == expected
 
+
+
+def test_register_caps_apply_to_gpu_launches_only():
+    """A cap is a ptxas option: the interpreter takes no ``maxnreg``, and None leaves ptxas's choice."""
+    assert replay_kernels.register_cap(128, torch.device("cpu")) == {}
+    assert replay_kernels.register_cap(None, torch.device("cuda")) == {}
+    assert replay_kernels.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}
