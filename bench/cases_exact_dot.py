@@ -2,8 +2,8 @@
 (interpreter) and ``bench/run_gpu.py`` (GPU). No timed cases: the product is timed inside the
 verify kernels that use it.
 
-Bounds (``u = 2**-24``, kernels/README.md "Exact products on tensor cores"): every product is
-exact and ``PARTS · K`` of them are summed in fp32, so each output is within
+Bounds (``u = 2**-24``; kernels/README.md, "exact_dot.py: exact products on tensor cores"):
+every product is exact and ``PARTS · K`` of them are summed in fp32, so each output is within
 ``γ = PARTS·K·u`` of ``Σ|products|``; the check allows twice that (the tensor cores'
 accumulation is not specified to round to nearest). The worst-case bound is loose, so the RMS of
 the errors, in units of ``Σ|products|``, must also stay under ``8·sqrt(PARTS·K)·u``: a product

@@ -1,5 +1,5 @@
 """``S · Cᵀ`` of a state tile on tensor cores, with the accuracy of fp32 FMAs (kernels/README.md,
-"Exact products on tensor cores").
+"exact_dot.py: exact products on tensor cores", also for where it did not pay).
 
 The code values of bf16, fp8 (e4m3, e5m2) and int8 states are exact in bf16, and a product of
 two bf16 values has at most 16 significant bits, so a tensor core forms it exactly and only the
