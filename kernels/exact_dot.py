@@ -84,14 +84,10 @@ def dot_columns(state, columns, PARTS: tl.constexpr, HW: tl.constexpr):
     acc = tl.zeros([state.shape[0], columns.shape[0]], tl.float32)
     if PARTS == 1:
         acc = _dot(state, tl.trans(columns), acc, HW)
-    elif PARTS == 2:
-        c = columns.to(tl.float32)
-        hi = c.to(tl.bfloat16)
-        acc = _dot(state, tl.trans((c - hi.to(tl.float32)).to(tl.bfloat16)), acc, HW)
-        acc = _dot(state, tl.trans(hi), acc, HW)
     else:
-        hi, mid, lo = _split(columns)
-        acc = _dot(state, tl.trans(lo), acc, HW)
+        hi, mid, lo = _split(columns.to(tl.float32))  # lo is zero for fp16 inputs (11 bits)
+        if PARTS == 3:
+            acc = _dot(state, tl.trans(lo), acc, HW)
         acc = _dot(state, tl.trans(mid), acc, HW)
         acc = _dot(state, tl.trans(hi), acc, HW)
     return acc

@@ -465,12 +465,15 @@ def _format_constants(fmt, prefix):
     }
 
 
+def _tensor_dot(state_fmt) -> bool:
+    """Whether the draft kernels take ``S · C_i`` as a tensor-core product for this state."""
+    return TENSOR_DOT and exact_dot.exact_in_bf16(state_fmt)
+
+
 def draft_c_parts(state_fmt, c_dtype: torch.dtype, block_p: int) -> int:
     """``C_PARTS`` of the draft kernels: the bf16 parts of C for a tensor-core ``S · C_i``, or 0
     (FMA dots) for states whose codes are not exact in bf16 and tiles of fewer than 16 rows."""
-    if TENSOR_DOT and exact_dot.exact_in_bf16(state_fmt) and block_p >= 16:
-        return exact_dot.input_parts(c_dtype)
-    return 0
+    return exact_dot.input_parts(c_dtype) if _tensor_dot(state_fmt) and block_p >= 16 else 0
 
 
 def launch_replay_verify(
@@ -502,7 +505,7 @@ def launch_replay_verify(
     flushed_rows_j = max(4, triton.next_power_of_2(T))
     whole_state_head = state_fmt.granularity == "head"
     # A per-head scale needs the whole head in one tile.
-    tile_kind = "fp32" if state_fmt.dtype == "fp32" else "tensor" if draft_c_parts(state_fmt, C.dtype, 16) else "narrow"
+    tile_kind = "fp32" if state_fmt.dtype == "fp32" else "tensor" if _tensor_dot(state_fmt) else "narrow"
     verify_p, verify_warps = VERIFY_TILE[tile_kind]
     if whole_state_head:
         verify_p, verify_warps = triton.next_power_of_2(headdim), 4
