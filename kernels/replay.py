@@ -216,7 +216,7 @@ def _replay_step_kernel(
     num_slots, nheads, headdim, dstate, heads_per_group,
     L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, STATE_FIRST: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
@@ -230,18 +230,21 @@ def _replay_step_kernel(
         bad = tl.where(slot < 0, 0.0, float("nan"))
         tl.store(y_ptrs, (tl.zeros([BLOCK_P], tl.float32) + bad).to(y_ptrs.dtype.element_ty), mask=mask_p)
     else:
-        # Loads that do not depend on the cursor go first, so their latency overlaps its load;
-        # the state tile is reduced to S·C at once, so it does not hold registers through the
-        # ring work.
+        # Loads that do not depend on the cursor go first, so their latency overlaps its load.
+        # The state tile goes with them only where STATE_FIRST (kernels/README.md, "the state and
+        # the cursor"); else it waits for the cursor, and a flushing row (n = L − 1) reads none.
+        # Either way it is reduced to S·C at once, so it holds no registers through the ring work.
         mask = mask_p[:, None] & mask_n[None, :]
-        state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads, headdim,
-                                              dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
+        if STATE_FIRST:
+            state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads,
+                                                  headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
         C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
         dt = _process_dt(dt_ptr + b * stride_dt_b + h, dt_bias_ptr, h, HAS_BIAS, SOFTPLUS)
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
         n = tl.load(cursor_ptr + slot)
-        state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
+        if STATE_FIRST:
+            state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
         full = n == L - 1
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
@@ -255,6 +258,10 @@ def _replay_step_kernel(
                 tl.store(flush_rows_ptr + position, b)
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
         if n != L - 1:
+            if not STATE_FIRST:
+                state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads,
+                                                      headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
+                state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
             A = tl.load(A_ptr + h).to(tl.float32)
             js = tl.arange(0, BLOCK_L)
             older = js < n
@@ -471,6 +478,13 @@ def _replay_flush_kernel(
 # over the GPU (batch 1, fp8: 6.2 µs with 64-row tiles against 5.6–5.9 with 32).
 STEP_TILE = {4: (32, 2), 2: (32, 2), 1: (64, 2)}
 STEP_MIN_PROGRAMS = 1024
+# Whether the per-head step kernel loads the state tile before the cursor arrives (True) or
+# after it, skipping it for a flushing row (False), by bytes per element of the state it reads.
+# H200, batch 256, one run: an fp8 read copy's whole cycle took 166.5 µs after against 175.8
+# before (flush step 934.1 / 1018.4, normal step 114.3 / 112.8); an fp32 checkpoint's normal
+# step 305.5 after against 274.7 before, where the flush step saves only what the state read
+# costs once per cycle. 16-bit read copies were not measured and keep the earlier order.
+STATE_FIRST = {4: True, 2: True, 1: False}
 # Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program;
 # k >= 1 = the grouped kernel with up to k heads per program. In the H200 run of a64908d (whole
 # flush cycles, batch 256) the per-head kernel won with every read copy (fp8 176.5 µs against
@@ -482,9 +496,12 @@ DEFAULT_HEADS_PER_PROGRAM = 8
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 4
 GROUPED_STAGES = 2
-# Flush programs per multiprocessor, each walking the flush list for one (head, P-tile); 64 and
-# 256 were no faster on the H200 (flush step 1167 and 1199 µs against 1221, batch 256, measured
-# with the state loaded before the fold and 16-row tiles).
+# At most this many flush programs per multiprocessor, each walking the flush list for one
+# (head, P-tile): the programs per (head, P-tile) are rounded down, so the grid ends on a whole
+# wave. ncu on the H200 (batch 256, no read copy) found 4 programs resident per multiprocessor
+# (128 registers and 32 KB of shared memory each); rounded up, 9 × 256 programs made 4.36 waves
+# and the flush kernel took 733.7 µs (fp8 read copy: 924.3) against 699.6 (901.7) with 8 × 256;
+# grids of 2, 4, 16 and 33 × 256 programs took 699–704 (899–903).
 FLUSH_PROGRAMS_PER_SM = 16
 # (rows of headdim, warps) of the flush kernel's tile: on the H200 (batch 256, flush step) 32 rows
 # and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
@@ -525,6 +542,13 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
+
+
+def flush_programs(batch: int, columns: int, per_sm: int, device: torch.device) -> int:
+    """Programs per (head, P-tile) column of a kernel that walks the flush list: at most
+    ``per_sm`` per multiprocessor over all ``columns``, rounded down (a whole number of waves
+    when the resident programs per multiprocessor divide ``per_sm``), and at most ``batch``."""
+    return max(1, min(batch, per_sm * _num_sms(device) // columns))
 
 
 def launch_replay_decode(
@@ -586,14 +610,15 @@ def launch_replay_decode(
         num_p_tiles = triton.cdiv(headdim, block_p)
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
-            NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps,
+            NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state.element_size()], BLOCK_P=block_p,
+            BLOCK_N=block_n, num_warps=step_warps or tile_warps,
             **step_flags,
         )
     # A per-head scale needs the whole head in one flush tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
     flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], triton.next_power_of_2(headdim))
     flush_p_tiles = triton.cdiv(headdim, flush_block_p)
-    programs = max(1, min(batch, triton.cdiv(FLUSH_PROGRAMS_PER_SM * _num_sms(x.device), nheads * flush_p_tiles)))
+    programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
     block_r = max(16, triton.next_power_of_2(triton.cdiv(batch, programs * nheads * flush_p_tiles)))
     _replay_flush_kernel[(programs, nheads * flush_p_tiles)](
         x, A, C, D if D is not None else dummy, z_arg, slots_arg, out,

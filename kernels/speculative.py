@@ -41,7 +41,7 @@ import triton.language as tl
 from . import codec, exact_dot
 from .conventional import tile_config
 from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _num_sms, _process_dt, _slot_of,
-                     _store_state, register_cap)
+                     _store_state, flush_programs, register_cap)
 from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
@@ -49,7 +49,10 @@ ERROR_ACCEPTED_RANGE = 2
 
 # Programs per multiprocessor of the kernels that walk the flush list (each for one head and
 # P-tile): the fold, and the flushed rows' drafts. More (64/16, 256/64) were no faster on the H200
-# (batch 256, T = 4: fold 183–291 µs against 177–246).
+# (batch 256, T = 4: fold 183–291 µs against 177–246). The fold's count is rounded down
+# (replay.flush_programs: 8 × 256 programs, fold 97.3 / 121.9 µs with an fp32 / fp8 read copy,
+# against 98.9 / 124.2 rounded up to 9 × 256); the drafts' is rounded up (3 × 256: 88.1 µs, fp32;
+# 2 × 256 took 146.0).
 FLUSH_PROGRAMS_PER_SM = 16
 FLUSHED_ROWS_PROGRAMS_PER_SM = 4
 # (rows of headdim, warps) of each kernel's tile, by the state it reads (fp32; "tensor": codes
@@ -540,7 +543,7 @@ def launch_replay_verify(
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
     flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], triton.next_power_of_2(headdim))
     flush_p_tiles = triton.cdiv(headdim, flush_block_p)
-    programs = max(1, min(batch, triton.cdiv(FLUSH_PROGRAMS_PER_SM * _num_sms(x.device), nheads * flush_p_tiles)))
+    programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
     _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
         A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
         checkpoint_scale if checkpoint_scale is not None else dummy,
