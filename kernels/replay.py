@@ -492,9 +492,14 @@ STATE_FIRST = {4: True, 2: True, 1: False}
 # tokens 228.5 / 259.6 and 185.0 / 250.5) and the grouped kernel without one (342.9 against
 # 373.6; batch 64: 98.2 against 105.8; batch 16: 39.6 against 36.4; batch 1: 19.2 against 6.4).
 # So the grouped kernel is the default without a read copy from GROUPED_MIN_BATCH rows up.
-DEFAULT_HEADS_PER_PROGRAM = 8
+# Its warps, heads per program and head-loop stages (kernel time of a whole cycle at batch 256,
+# no read copy, bench.breakdown, one session of 5e58c00 runs): 1 warp, 4 heads, 2 stages 303.1 µs
+# per step; 1 warp with 8 heads 305.9 (1 / 3 stages 306.8 / 309.8), 16 heads 309.8; 2 warps
+# 315.5 (4 heads 308.6); 4 warps 328.3; 8 warps 411.3. Batch 64, 8 heads: 1 warp 94.6 µs, 2
+# warps 98.3, per-head kernel 104.9; batch 16: 34.8 against 35.3 for the per-head kernel.
+DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
-GROUPED_WARPS = 4
+GROUPED_WARPS = 1
 GROUPED_STAGES = 2
 # At most this many flush programs per multiprocessor, each walking the flush list for one
 # (head, P-tile): the programs per (head, P-tile) are rounded down, so the grid ends on a whole
