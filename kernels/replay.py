@@ -491,7 +491,12 @@ STATE_FIRST = {4: True, 2: True, 1: False}
 # 256.9 grouped, int8 185.3 / 264.4, bf16 checkpoint + fp8 199.5 / 280.1; rings of 8 and 32
 # tokens 228.5 / 259.6 and 185.0 / 250.5) and the grouped kernel without one (342.9 against
 # 373.6; batch 64: 98.2 against 105.8; batch 16: 39.6 against 36.4; batch 1: 19.2 against 6.4).
-# So the grouped kernel is the default without a read copy from GROUPED_MIN_BATCH rows up.
+# The grouped kernel's programs then had 4 warps. With one warp (below) it won with a read copy
+# too (run of 9528325, batch 256, 8 heads: fp8 143.4 µs against 183.3 per-head, bf16 checkpoint
+# + fp8 149.1 / 188.3, int8 162.0 / 187.1, rings of 8 and 32 tokens 194.4 / 222.7 and
+# 139.5 / 180.6; no read copy 302.6 / 360.3; batch 16: fp8 21.2 / 17.4, no read copy 35.4 / 35.9;
+# batch 1: 14.3 / 6.1 and 19.3 / 6.5). So the grouped kernel is the default from
+# GROUPED_MIN_BATCH rows up, whatever the read copy, and the per-head kernel below.
 # Its warps, heads per program and head-loop stages (kernel time of a whole cycle at batch 256,
 # no read copy, bench.breakdown, one session of 5e58c00 runs): 1 warp, 4 heads, 2 stages 303.1 µs
 # per step; 1 warp with 8 heads 305.9 (1 / 3 stages 306.8 / 309.8), 16 heads 309.8; 2 warps
@@ -523,10 +528,10 @@ FLUSH_STAGES = {False: 3, True: None}
 FLUSH_MAXNREG = {False: None, True: 128}
 
 
-def default_heads_per_program(batch: int, has_read: bool) -> int:
-    """The step kernel the launcher picks when not told: without a read copy the grouped kernel's
+def default_heads_per_program(batch: int) -> int:
+    """The step kernel the launcher picks when not told: the grouped kernel's
     ``DEFAULT_HEADS_PER_PROGRAM`` from ``GROUPED_MIN_BATCH`` rows up, else 0 (one head per program)."""
-    return DEFAULT_HEADS_PER_PROGRAM if batch >= GROUPED_MIN_BATCH and not has_read else 0
+    return DEFAULT_HEADS_PER_PROGRAM if batch >= GROUPED_MIN_BATCH else 0
 
 
 def grouped_heads_per_program(requested: int, heads_per_group: int) -> int:
@@ -594,7 +599,7 @@ def launch_replay_decode(
                       HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), BLOCK_L=block_l, **common)
     heads_per_group = nheads // ngroups
     if heads_per_program is None:
-        heads_per_program = default_heads_per_program(batch, has_read)
+        heads_per_program = default_heads_per_program(batch)
     if heads_per_program:
         per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
         block_p = step_block_p or triton.next_power_of_2(headdim)

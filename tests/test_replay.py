@@ -551,16 +551,16 @@ def test_fake_impl_traces_without_running():
     assert out.shape == (2, 2, 4)
 
 
-@pytest.mark.parametrize("batch, has_read, expected", [
-    (256, False, replay_kernels.DEFAULT_HEADS_PER_PROGRAM),
-    (64, False, replay_kernels.DEFAULT_HEADS_PER_PROGRAM),
-    (16, False, 0),
-    (256, True, 0),
-    (1, True, 0),
+@pytest.mark.parametrize("batch, expected", [
+    (256, replay_kernels.DEFAULT_HEADS_PER_PROGRAM),
+    (64, replay_kernels.DEFAULT_HEADS_PER_PROGRAM),
+    (63, 0),
+    (16, 0),
+    (1, 0),
 ])
-def test_default_step_kernel_by_batch_and_read_copy(batch, has_read, expected):
+def test_default_step_kernel_by_batch(batch, expected):
     """The launcher's default step kernel follows the H200 measurements (kernels/replay.py)."""
-    assert replay_kernels.default_heads_per_program(batch, has_read) == expected
+    assert replay_kernels.default_heads_per_program(batch) == expected
 
 
 
