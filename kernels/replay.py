@@ -479,12 +479,15 @@ def _replay_flush_kernel(
 STEP_TILE = {4: (32, 2), 2: (32, 2), 1: (64, 2)}
 STEP_MIN_PROGRAMS = 1024
 # Whether the per-head step kernel loads the state tile before the cursor arrives (True) or
-# after it, skipping it for a flushing row (False), by bytes per element of the state it reads.
-# H200, batch 256, one run: an fp8 read copy's whole cycle took 166.5 µs after against 175.8
-# before (flush step 934.1 / 1018.4, normal step 114.3 / 112.8); an fp32 checkpoint's normal
-# step 305.5 after against 274.7 before, where the flush step saves only what the state read
-# costs once per cycle. 16-bit read copies were not measured and keep the earlier order.
+# after it, skipping it for a flushing row (False), by bytes per element of the state it reads;
+# below STATE_FIRST_BELOW_BATCH rows always before. H200, batch 256, one run: an fp8 read copy's
+# whole cycle took 166.5 µs after against 175.8 before (flush step 934.1 / 1018.4, normal step
+# 114.3 / 112.8); an fp32 checkpoint's normal step 305.5 after against 274.7 before, where the
+# flush step saves only what the state read costs once per cycle. 16-bit read copies were not
+# measured and keep the earlier order. fp8, one run of f003e92: batch 16 17.2 µs after against
+# 18.2 before, batch 1 6.2 against 5.8 (a lone program waits for each round trip).
 STATE_FIRST = {4: True, 2: True, 1: False}
+STATE_FIRST_BELOW_BATCH = 16
 # Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program;
 # k >= 1 = the grouped kernel with up to k heads per program. In the H200 run of a64908d (whole
 # flush cycles, batch 256) the per-head kernel won with every read copy (fp8 176.5 µs against
@@ -620,8 +623,8 @@ def launch_replay_decode(
         num_p_tiles = triton.cdiv(headdim, block_p)
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
-            NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state.element_size()], BLOCK_P=block_p,
-            BLOCK_N=block_n, num_warps=step_warps or tile_warps,
+            NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state.element_size()] or batch < STATE_FIRST_BELOW_BATCH,
+            BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps,
             **step_flags,
         )
     # A per-head scale needs the whole head in one flush tile.

@@ -293,6 +293,22 @@ def test_grouped_step_kernel_formats_over_flush_cycles(checkpoint, read, monkeyp
     assert cache.cursor.tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("checkpoint,read", [
+    ("fp32", None), ("fp32", "fp8_e4m3:row"), ("bf16+sr", "int8:head"), ("fp16", "bf16"),
+    ("fp8_e4m3:row", "fp8_e4m3:block32"),
+])
+def test_per_head_kernel_with_the_state_loaded_after_the_cursor(checkpoint, read, monkeypatch):
+    """The per-head kernel's other load order (``STATE_FIRST`` False: the state tile waits for
+    the cursor, a flushing row reads none), which these small batches never pick themselves."""
+    monkeypatch.setattr(replay_kernels, "STATE_FIRST", {4: False, 2: False, 1: False})
+    monkeypatch.setattr(replay_kernels, "STATE_FIRST_BELOW_BATCH", 0)
+    launch = functools.partial(replay_kernels.launch_replay_decode, heads_per_program=0)
+    monkeypatch.setattr(replay_kernels, "launch_replay_decode", launch)
+    cache, shadow = _five_steps_ring_2(checkpoint, read, nheads=2, seed=5)
+    assert shadow.checks == 10
+    assert cache.cursor.tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("requested,heads_per_group,expected", [
     (8, 16, 8), (8, 6, 6), (4, 6, 3), (16, 16, 16), (8, 3, 3), (2, 3, 1), (1, 7, 1), (5, 8, 4)])
 def test_grouped_heads_per_program_divides_the_group(requested, heads_per_group, expected):
