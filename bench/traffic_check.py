@@ -20,7 +20,9 @@ from qstate.analysis.schemes import parse_schemes
 
 PROFILE = "nemotron-h-8b"
 BATCH = 256
-# Scheme (the chooser's name) → bench case (the launcher's default kernel where one is timed).
+# Scheme (the chooser's name) → bench case: the launcher's default kernel where one is timed,
+# else the grouped step kernel the default runs at batch 256 (timed with 8 heads per program,
+# the default has 4: 303.1 against 305.9 µs of kernels a step without a read copy).
 CASES = {
     "fp32": "nemotron-h-8b/b256/fp32",
     "bf16": "nemotron-h-8b/b256/bf16",
@@ -29,10 +31,10 @@ CASES = {
     "fp8_e4m3:row": "nemotron-h-8b/b256/fp8_e4m3:row",
     "replay/fp32/16": "replay/b256/fp32+none/L16/default",
     "replay/fp32/fp8_e4m3:row/16": "replay/b256/fp32+fp8_e4m3:row/L16/default",
-    "replay/fp32/int8:row/16": "replay/b256/fp32+int8:row/L16/per-head",
-    "replay/bf16/fp8_e4m3:row/16": "replay/b256/bf16+fp8_e4m3:row/L16/per-head",
-    "replay/fp32/fp8_e4m3:row/8": "replay/b256/fp32+fp8_e4m3:row/L8/per-head",
-    "replay/fp32/fp8_e4m3:row/32": "replay/b256/fp32+fp8_e4m3:row/L32/per-head",
+    "replay/fp32/int8:row/16": "replay/b256/fp32+int8:row/L16/grouped-h8",
+    "replay/bf16/fp8_e4m3:row/16": "replay/b256/bf16+fp8_e4m3:row/L16/grouped-h8",
+    "replay/fp32/fp8_e4m3:row/8": "replay/b256/fp32+fp8_e4m3:row/L8/grouped-h8",
+    "replay/fp32/fp8_e4m3:row/32": "replay/b256/fp32+fp8_e4m3:row/L32/grouped-h8",
 }
 
 
