@@ -621,10 +621,11 @@ def launch_replay_decode(
             block_p //= 2
         block_p = step_block_p or block_p
         num_p_tiles = triton.cdiv(headdim, block_p)
+        state_first = STATE_FIRST[state.element_size()] or batch < STATE_FIRST_BELOW_BATCH
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
-            NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state.element_size()] or batch < STATE_FIRST_BELOW_BATCH,
-            BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps,
+            NUM_P_TILES=num_p_tiles, STATE_FIRST=state_first, BLOCK_P=block_p, BLOCK_N=block_n,
+            num_warps=step_warps or tile_warps,
             **step_flags,
         )
     # A per-head scale needs the whole head in one flush tile.
