@@ -78,9 +78,8 @@ def _split(a):
 def dot_columns(state, columns, PARTS: tl.constexpr, HW: tl.constexpr):
     """``state · columnsᵀ`` ([BLOCK_P, BLOCK_N] · [BLOCK_N, BLOCK_C] → [BLOCK_P, BLOCK_C] fp32,
     all sizes ≥ 16): ``state`` from :func:`bf16_codes`, ``columns`` in the input dtype with
-    ``PARTS = input_parts(dtype)``. Every product exact, the sums in fp32; the small parts are
-    added first. Each remainder of the split is exact in fp32 (Sterbenz) whether the bf16 cast
-    rounds (GPU) or truncates (interpreter), so the parts always sum to the input."""
+    ``PARTS = input_parts(dtype)``. Every product exact (the parts of :func:`_split` sum to the
+    input), the sums in fp32; the small parts are added first."""
     acc = tl.zeros([state.shape[0], columns.shape[0]], tl.float32)
     if PARTS == 1:
         acc = _dot(state, tl.trans(columns), acc, HW)

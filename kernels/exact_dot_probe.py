@@ -38,4 +38,3 @@ def state_times_columns(codes: torch.Tensor, fmt, columns: torch.Tensor) -> torc
         PARTS=exact_dot.input_parts(columns.dtype), HW=codec.hardware_casts(codes.device), P=P, N=N, M=M,
     )
     return out
-

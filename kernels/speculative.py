@@ -50,9 +50,9 @@ ERROR_ACCEPTED_RANGE = 2
 # Programs per multiprocessor of the kernels that walk the flush list (each for one head and
 # P-tile): the fold, and the flushed rows' drafts. More (64/16, 256/64) were no faster on the H200
 # (batch 256, T = 4: fold 183–291 µs against 177–246). The fold's count is rounded down
-# (replay.flush_programs: 8 × 256 programs, fold 97.3 / 121.9 µs without / with an fp8 read copy,
-# against 98.9 / 124.2 rounded up to 9 × 256); the drafts' is rounded up (3 × 256: 88.1 µs without a read copy;
-# 2 × 256 took 146.0).
+# (replay.flush_programs: 8 × 256 programs, fold 97.3 / 121.9 µs without / with an fp8 read
+# copy, against 98.9 / 124.2 rounded up to 9 × 256); the drafts' is rounded up (3 × 256: 88.1 µs
+# without a read copy; 2 × 256 took 146.0).
 FLUSH_PROGRAMS_PER_SM = 16
 FLUSHED_ROWS_PROGRAMS_PER_SM = 4
 # (rows of headdim, warps) of each kernel's tile, by the state it reads (fp32; "tensor": codes

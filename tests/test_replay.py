@@ -579,7 +579,6 @@ def test_default_step_kernel_by_batch(batch, expected):
     assert replay_kernels.default_heads_per_program(batch) == expected
 
 
-
 def test_register_caps_apply_to_gpu_launches_only():
     """A cap is a ptxas option: the interpreter takes no ``maxnreg``, and None leaves ptxas's choice."""
     assert replay_kernels.register_cap(128, torch.device("cpu")) == {}
