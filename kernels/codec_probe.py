@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec
+from . import codec, sizes
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, 
     _quantize_heads_kernel[(groups,)](
         x, codec.storage_view(codes, fmt), scale, noise, values, seed, headdim, dstate,
         DTYPE=codec.dtype_code(fmt), GRAN=codec.granularity_code(fmt), STOCHASTIC=fmt.stochastic,
-        QMAX=codec.qmax(fmt), EMAX=codec.emax(fmt), HW=hw, BLOCK_P=triton.next_power_of_2(headdim),
-        BLOCK_N=max(32, triton.next_power_of_2(dstate)), SR_STREAM=sr_stream, SR_ROUNDS=sr_rounds,
+        QMAX=codec.qmax(fmt), EMAX=codec.emax(fmt), HW=hw, BLOCK_P=sizes.next_power_of_2(headdim),
+        BLOCK_N=max(32, sizes.next_power_of_2(dstate)), SR_STREAM=sr_stream, SR_ROUNDS=sr_rounds,
     )
     return codes, (scale if scale_shape is not None else None), (noise if fmt.stochastic else None), values

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec
+from . import codec, sizes
 from .softplus import softplus
 
 OUT_FP32 = 0
@@ -320,17 +320,17 @@ _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
                 on_gpu: bool = True, stochastic: bool = False):
     """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element."""
-    block_n = max(32, triton.next_power_of_2(dstate))
+    block_n = max(32, sizes.next_power_of_2(dstate))
     rows, warps = (_TILE_ROWS_SR if stochastic else _TILE_ROWS)[element_bytes]
     if granularity == codec.GRAN_HEAD:
-        block_p = triton.next_power_of_2(headdim)
+        block_p = sizes.next_power_of_2(headdim)
         return block_p, block_n, (8 if block_p * block_n >= 8192 else 4)
-    block_p = min(max(1, rows * 128 // block_n), triton.next_power_of_2(headdim))
+    block_p = min(max(1, rows * 128 // block_n), sizes.next_power_of_2(headdim))
     if not on_gpu:
         # The interpreter pays per program, not per byte: one program per head.
-        return triton.next_power_of_2(headdim), block_n, warps
+        return sizes.next_power_of_2(headdim), block_n, warps
     # A small batch still needs a grid that fills the GPU: split headdim finer.
-    while block_p > 4 and batch * nheads * triton.cdiv(headdim, block_p) < 1024:
+    while block_p > 4 and batch * nheads * sizes.cdiv(headdim, block_p) < 1024:
         block_p //= 2
     return block_p, block_n, warps
 
@@ -357,7 +357,7 @@ def launch(
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
         # 16-row override gave wrong codes on the H200, run 86f85bd).
-        block_p = max(block_p, triton.next_power_of_2(headdim))
+        block_p = max(block_p, sizes.next_power_of_2(headdim))
     num_warps = num_warps or warps
     scale_strides = (0, 0, 0)
     if granularity == codec.GRAN_HEAD:
@@ -369,7 +369,7 @@ def launch(
     variant = variant or DEFAULT_VARIANTS[state.element_size()]
     even = variant.even and headdim % block_p == 0 and dstate == block_n
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
-    grid = (triton.cdiv(headdim, block_p), nheads // heads_per_prog, batch)
+    grid = (sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch)
     _conventional_kernel[grid](
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out_view, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,

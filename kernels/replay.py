@@ -21,13 +21,14 @@ next step starts clean without the host looking.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot
+from . import codec, exact_dot, sizes
 from .softplus import softplus
 
 
@@ -551,9 +552,16 @@ def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
     return {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of a GPU (1 under the interpreter), cached: torch's property lookup was
+    the largest single cost of an eager replay step's Python on the H200 machine's host."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 1
 
 
@@ -586,8 +594,8 @@ def launch_replay_decode(
     has_read = read is not None
     state_fmt = read_format if has_read else checkpoint_format
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
-    block_n = max(32, triton.next_power_of_2(dstate))
-    block_l = max(2, triton.next_power_of_2(L))
+    block_n = max(32, sizes.next_power_of_2(dstate))
+    block_l = max(2, sizes.next_power_of_2(L))
     z_arg = z if z is not None else dummy
     common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw)
     slots_arg = slot_indices if slot_indices is not None else dummy
@@ -605,22 +613,22 @@ def launch_replay_decode(
         heads_per_program = default_heads_per_program(batch)
     if heads_per_program:
         per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
-        block_p = step_block_p or triton.next_power_of_2(headdim)
-        num_p_tiles = triton.cdiv(headdim, block_p)
+        block_p = step_block_p or sizes.next_power_of_2(headdim)
+        num_p_tiles = sizes.cdiv(headdim, block_p)
         _replay_step_grouped_kernel[(nheads // per_program * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads,
             HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
             HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
-            BLOCK_H=max(2, triton.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
+            BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )
     else:
         tile_rows, tile_warps = STEP_TILE[state.element_size()]
-        block_p = min(triton.next_power_of_2(headdim), tile_rows)
-        while block_p > 32 and batch * nheads * triton.cdiv(headdim, block_p) < STEP_MIN_PROGRAMS:
+        block_p = min(sizes.next_power_of_2(headdim), tile_rows)
+        while block_p > 32 and batch * nheads * sizes.cdiv(headdim, block_p) < STEP_MIN_PROGRAMS:
             block_p //= 2
         block_p = step_block_p or block_p
-        num_p_tiles = triton.cdiv(headdim, block_p)
+        num_p_tiles = sizes.cdiv(headdim, block_p)
         state_first = STATE_FIRST[state.element_size()] or batch < STATE_FIRST_BELOW_BATCH
         _replay_step_kernel[(nheads * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
@@ -630,10 +638,10 @@ def launch_replay_decode(
         )
     # A per-head scale needs the whole head in one flush tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], triton.next_power_of_2(headdim))
-    flush_p_tiles = triton.cdiv(headdim, flush_block_p)
+    flush_block_p = sizes.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], sizes.next_power_of_2(headdim))
+    flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
     programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
-    block_r = max(16, triton.next_power_of_2(triton.cdiv(batch, programs * nheads * flush_p_tiles)))
+    block_r = max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs * nheads * flush_p_tiles)))
     _replay_flush_kernel[(programs, nheads * flush_p_tiles)](
         x, A, C, D if D is not None else dummy, z_arg, slots_arg, out,
         codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,

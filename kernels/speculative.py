@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot
+from . import codec, exact_dot, sizes
 from .conventional import tile_config
 from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _num_sms, _process_dt, _slot_of,
                      _store_state, flush_programs, register_cap)
@@ -497,24 +497,24 @@ def launch_replay_verify(
     has_read = read is not None
     state_fmt = read_format if has_read else checkpoint_format
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
-    block_n = max(32, triton.next_power_of_2(dstate))
-    block_j = max(16, triton.next_power_of_2(cap))
-    block_t = max(2, triton.next_power_of_2(T))
+    block_n = max(32, sizes.next_power_of_2(dstate))
+    block_j = max(16, sizes.next_power_of_2(cap))
+    block_t = max(2, sizes.next_power_of_2(T))
     # Joint-sequence positions a verify can use: a row that does not flush has n = 0 or
     # n ≤ cap − 2T committed tokens, so n + T ≤ max(cap − T, T); the flushed rows have n = 0.
     # Tiles no longer than that (16 instead of 32 positions at T = 4, L = 16) keep the ring part
     # of the verify, which is bound by instruction issue, to the positions in use.
-    bc_rows = max(4, triton.next_power_of_2(max(cap - T, T)))
-    flushed_rows_j = max(4, triton.next_power_of_2(T))
+    bc_rows = max(4, sizes.next_power_of_2(max(cap - T, T)))
+    flushed_rows_j = max(4, sizes.next_power_of_2(T))
     whole_state_head = state_fmt.granularity == "head"
     # A per-head scale needs the whole head in one tile.
     tile_kind = "fp32" if state_fmt.dtype == "fp32" else "tensor" if _tensor_dot(state_fmt) else "narrow"
     verify_p, verify_warps = VERIFY_TILE[tile_kind]
     if whole_state_head:
-        verify_p, verify_warps = triton.next_power_of_2(headdim), 4
-    block_p = block_p or min(triton.next_power_of_2(headdim), verify_p)
+        verify_p, verify_warps = sizes.next_power_of_2(headdim), 4
+    block_p = block_p or min(sizes.next_power_of_2(headdim), verify_p)
     num_warps = num_warps or verify_warps
-    num_p_tiles = triton.cdiv(headdim, block_p)
+    num_p_tiles = sizes.cdiv(headdim, block_p)
     c_parts = draft_c_parts(state_fmt, C.dtype, block_p)
     z_arg = z if z is not None else dummy
     slots_arg = slot_indices if slot_indices is not None else dummy
@@ -541,8 +541,8 @@ def launch_replay_verify(
     )
     # The flush walks the list in a few programs per multiprocessor.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = triton.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], triton.next_power_of_2(headdim))
-    flush_p_tiles = triton.cdiv(headdim, flush_block_p)
+    flush_block_p = sizes.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], sizes.next_power_of_2(headdim))
+    flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
     programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
     _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
         A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
@@ -558,10 +558,10 @@ def launch_replay_verify(
     # The flushed rows' drafts over the new state.
     rows_p, rows_warps = FLUSHED_ROWS_TILE
     if whole_state_head:
-        rows_p, rows_warps = triton.next_power_of_2(headdim), 4
-    rows_p = min(rows_p, triton.next_power_of_2(headdim))
-    rows_p_tiles = triton.cdiv(headdim, rows_p)
-    rows_programs = max(1, min(batch, triton.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device),
+        rows_p, rows_warps = sizes.next_power_of_2(headdim), 4
+    rows_p = min(rows_p, sizes.next_power_of_2(headdim))
+    rows_p_tiles = sizes.cdiv(headdim, rows_p)
+    rows_programs = max(1, min(batch, sizes.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device),
                                                   nheads * rows_p_tiles)))
     _verify_flushed_rows_kernel[(rows_programs, nheads * rows_p_tiles)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
@@ -571,7 +571,7 @@ def launch_replay_verify(
         CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
         NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows, C_PARTS=draft_c_parts(state_fmt, C.dtype, rows_p),
         BLOCK_J=flushed_rows_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
-        BLOCK_R=max(16, min(1024, triton.next_power_of_2(batch))), num_warps=rows_warps,
+        BLOCK_R=max(16, min(1024, sizes.next_power_of_2(batch))), num_warps=rows_warps,
         **register_cap(FLUSHED_ROWS_MAXNREG, x.device), **flags,
     )
 
@@ -579,8 +579,8 @@ def launch_replay_verify(
 def launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, num_slots: int):
     """Launch one commit: ``num_accepted (batch,)`` int32/int64, ``slot_indices (batch,)`` or None."""
     batch = num_accepted.shape[0]
-    block_r = max(16, min(1024, triton.next_power_of_2(batch)))
-    _commit_kernel[(triton.cdiv(batch, block_r),)](
+    block_r = max(16, min(1024, sizes.next_power_of_2(batch)))
+    _commit_kernel[(sizes.cdiv(batch, block_r),)](
         num_accepted, slot_indices if slot_indices is not None else num_accepted, cursor, drafts, commit_errors,
         batch, num_slots, HAS_SLOTS=slot_indices is not None, BLOCK_R=block_r, num_warps=4,
     )
@@ -597,12 +597,12 @@ def launch_drafts(
     ngroups, dstate = B.shape[2], B.shape[3]
     t_max = intermediate.shape[1]
     dummy = x
-    block_n = max(32, triton.next_power_of_2(dstate))
+    block_n = max(32, sizes.next_power_of_2(dstate))
     config_p, _, config_warps = tile_config(state.element_size(), headdim, dstate, codec.granularity_code(state_format),
                                             batch, nheads, x.device.type == "cuda")
     block_p = block_p or config_p
     num_warps = num_warps or config_warps
-    num_p_tiles = triton.cdiv(headdim, block_p)
+    num_p_tiles = sizes.cdiv(headdim, block_p)
     z_arg = z if z is not None else dummy
     _drafts_kernel[(nheads * num_p_tiles, batch)](
         codec.storage_view(state, state_format), state_scale if state_scale is not None else dummy,
@@ -627,7 +627,7 @@ def launch_copy_accepted(src, dst, num_accepted, slot_indices, *, block: int = 4
         # Move whole 32-bit words: the copy is bit for bit anyway.
         src, dst = src.view(torch.int32), dst.view(torch.int32)
         per_slot = dst[0].numel()
-    _copy_accepted_kernel[(triton.cdiv(per_slot, block), batch)](
+    _copy_accepted_kernel[(sizes.cdiv(per_slot, block), batch)](
         src, dst, num_accepted, slot_indices if slot_indices is not None else num_accepted, per_slot, dst.shape[0],
         T_MAX=t_max, HAS_SLOTS=slot_indices is not None, BLOCK=block, num_warps=4,
     )
