@@ -281,6 +281,16 @@ def sweep_cases(device, layer=LAYER):
             for read in ("fp8_e4m3:row", None) for h, w, s in _SWEEP_TILES]
 
 
+def eager_overhead(device, layer=LAYER):
+    """µs per eager step at batch 1, fp32 checkpoint + fp8_e4m3:row read copy: the public
+    ``replay_decode`` and the launcher alone (two kernel launches a step either way)."""
+    from qstate import replay_decode
+    cache, inp, out = _buffers(1, "fp32", "fp8_e4m3:row", 16, layer, device, "aligned")
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")]
+    return dict(public_us=harness.eager_us(lambda: replay_decode(cache, *args, True, out=out)),
+                launcher_us=harness.eager_us(lambda: step(cache, inp, out)))
+
+
 def annotate(by_group):
     """Ratio of each replay case to the conventional fp32 kernel at its batch, timed in the same
     run (``x_conventional_fp32`` > 1: replay is faster)."""

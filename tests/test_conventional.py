@@ -377,3 +377,17 @@ def test_bench_variant_cases_run_on_tiny_buffers():
                        state_batch_indices=torch.arange(2, dtype=torch.int32))
         case.run(buffers)
         assert torch.isfinite(buffers["out"].float()).all(), case.name
+
+
+def test_fake_impl_traces_without_running():
+    """Under ``FakeTensorMode`` (and on meta tensors) the call goes through the custom op's fake
+    implementation: shapes come back, no kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        inp = _inputs(2, 4, 8, 32, 2)
+        out = qstate.selective_state_update(torch.zeros(2, 4, 8, 32), **inp)
+    assert out.shape == (2, 4, 8)
+    meta = {k: v.to("meta") for k, v in _inputs(2, 4, 8, 32, 2).items()}
+    out = qstate.selective_state_update(torch.zeros(2, 4, 8, 32, device="meta"), **meta)
+    assert out.shape == (2, 4, 8) and out.device.type == "meta"

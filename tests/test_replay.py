@@ -584,3 +584,25 @@ def test_register_caps_apply_to_gpu_launches_only():
     assert replay_kernels.register_cap(128, torch.device("cpu")) == {}
     assert replay_kernels.register_cap(None, torch.device("cuda")) == {}
     assert replay_kernels.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}
+
+
+def test_torch_compile_through_the_custom_op():
+    """Under ``torch.compile`` the step goes through ``qstate::replay_decode`` (eager calls run
+    its implementation directly): same outputs and cache, bit for bit, over a flush."""
+    inp = make_inputs(3, 2, 4, 8, 32, 2)
+    caches = [ReplayCache.allocate(2, 4, 8, 32, 2, ring_len=2, read="fp8_e4m3:row", input_dtype=torch.float32)
+              for _ in range(2)]
+    for c in caches:
+        c.reset([0, 1])
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def compiled_step(cache, x, dt, A, B, C, D, z, dt_bias):
+        return replay_decode(cache, x, dt, A, B, C, D, z, dt_bias, True)
+
+    for t in range(3):
+        expected = replay_decode(caches[0], **step_args(inp, t), dt_softplus=True)
+        got = compiled_step(caches[1], **step_args(inp, t))
+        assert torch.equal(got, expected), t
+    for name, tensor in caches[0].tensors().items():
+        if tensor is not None:
+            assert torch.equal(caches[1].tensors()[name], tensor), name

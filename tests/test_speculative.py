@@ -282,3 +282,34 @@ def test_baseline_equals_conventional_steps(fmt):
     with pytest.raises(ValueError, match="0 … T_max"):
         commit_drafts(state, inter, torch.tensor([6, 0, 0], dtype=torch.int32), slots, state_scale=scale,
                       intermediate_scale=inter_scale, state_format=fmt)
+
+
+def test_torch_compile_through_the_custom_ops():
+    """Under ``torch.compile`` verify and commit go through ``qstate::replay_verify`` and
+    ``qstate::replay_commit`` (eager calls run their implementations directly): same outputs
+    and cache, bit for bit, over rounds that flush."""
+    g = torch.Generator().manual_seed(5)
+    nheads, headdim, dstate, ngroups, batch, T = 2, 8, 32, 1, 2, 3
+    params = layer_params(g, nheads)
+    rounds = [(draft_inputs(g, batch, T, nheads, headdim, dstate, ngroups),
+               torch.randint(0, T + 1, (batch,), generator=g).int()) for _ in range(4)]
+    caches = [ReplayCache.allocate(batch, nheads, headdim, dstate, ngroups, ring_len=4, read="fp8_e4m3:row",
+                                   input_dtype=torch.float32, max_draft=T) for _ in range(2)]
+    for c in caches:
+        c.reset([0, 1])
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def compiled_round(cache, x, dt, B, C, z, A, D, dt_bias, accepted):
+        y = replay_verify(cache, x, dt, A, B, C, D, z, dt_bias, True)
+        replay_commit(cache, accepted)
+        return y
+
+    for inp, accepted in rounds:
+        expected = replay_verify(caches[0], **inp, **params, dt_softplus=True)
+        replay_commit(caches[0], accepted)
+        got = compiled_round(caches[1], **inp, **params, accepted=accepted)
+        assert torch.equal(got, expected)
+    assert int(caches[0].generation.sum()) >= 1  # some row flushed
+    for name, tensor in caches[0].tensors().items():
+        if tensor is not None:
+            assert torch.equal(caches[1].tensors()[name], tensor), name

@@ -11,12 +11,17 @@ import torch
 from .. import _validate
 from ..kernels import conventional as _kernel
 from . import _common
+from ._register import mutating_op
 
 _OP_NAME = "qstate::selective_state_update"
 
 
-def _launch(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
-            state_format, pad_slot_id, seed, seed_tensor):
+def _selective_state_update_impl(
+    state: torch.Tensor, state_scale: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
+    A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], dt_softplus: bool, state_batch_indices: Optional[torch.Tensor],
+    out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int, seed_tensor: Optional[torch.Tensor],
+) -> None:
     consts = _common.format_constants(state_format)
     _kernel.launch(
         _kernel.codec.storage_view(state, consts.fmt), state_scale, x, dt, A, B, C, D, z, dt_bias,
@@ -27,21 +32,7 @@ def _launch(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, stat
     )
 
 
-@torch.library.custom_op(_OP_NAME, mutates_args=("state", "state_scale", "out"))
-def _selective_state_update_op(
-    state: torch.Tensor, state_scale: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
-    A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
-    dt_bias: Optional[torch.Tensor], dt_softplus: bool, state_batch_indices: Optional[torch.Tensor],
-    out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int, seed_tensor: Optional[torch.Tensor],
-) -> None:
-    _launch(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
-            state_format, pad_slot_id, seed, seed_tensor)
-
-
-@_selective_state_update_op.register_fake
-def _(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
-      state_format, pad_slot_id, seed, seed_tensor) -> None:
-    return None
+_selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl, ("state", "state_scale", "out"))
 
 
 def _resolve_seed(seed, consts, device):
@@ -135,9 +126,5 @@ def selective_state_update(
     A, D, dt_bias = (_common.per_head_vector(n, t) for n, t in (("A", A), ("D", D), ("dt_bias", dt_bias)))
     args = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices, out,
             str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
-    if torch.compiler.is_compiling():
-        _selective_state_update_op(*args)
-    else:
-        # Eager calls skip the dispatcher round trip; the launch is the op's own implementation.
-        _launch(*args)
+    _selective_state_update_op(*args)
     return out

@@ -18,6 +18,7 @@ from .. import _validate
 from ..cache import ReplayCache
 from ..formats import StateFormat
 from . import _common
+from ._register import mutating_op
 
 __all__ = ["replay_decode"]
 
@@ -25,8 +26,7 @@ _MUTATED = ("out", "checkpoint", "checkpoint_scale", "read", "read_scale", "ring
             "cursor", "generation", "flush_rows", "flush_counters")
 
 
-@torch.library.custom_op("qstate::replay_decode", mutates_args=_MUTATED)
-def _replay_decode_op(
+def _replay_decode_impl(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], dt_softplus: bool,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor,
@@ -46,9 +46,7 @@ def _replay_decode_op(
     )
 
 
-@_replay_decode_op.register_fake
-def _replay_decode_fake(*args, **kwargs) -> None:
-    return None
+_replay_decode_op = mutating_op("qstate::replay_decode", _replay_decode_impl, _MUTATED)
 
 
 def _inner_contiguous(name: str, t: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from .. import _validate
 from ..cache import ReplayCache
 from ..formats import StateFormat
 from . import _common
+from ._register import mutating_op
 from .replay import _check_out, _check_ring_call, _check_slot_indices, _inner_contiguous
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
@@ -33,8 +34,7 @@ _VERIFY_MUTATED = ("out", "checkpoint", "checkpoint_scale", "read", "read_scale"
                    "cursor", "generation", "drafts", "flush_rows", "flush_counters")
 
 
-@torch.library.custom_op("qstate::replay_verify", mutates_args=_VERIFY_MUTATED)
-def _replay_verify_op(
+def _replay_verify_impl(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], dt_softplus: bool,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor,
@@ -53,27 +53,20 @@ def _replay_verify_op(
     )
 
 
-@_replay_verify_op.register_fake
-def _replay_verify_fake(*args, **kwargs) -> None:
-    return None
+_replay_verify_op = mutating_op("qstate::replay_verify", _replay_verify_impl, _VERIFY_MUTATED)
 
 
-@torch.library.custom_op("qstate::replay_commit", mutates_args=("cursor", "drafts", "commit_errors"))
-def _replay_commit_op(num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor], cursor: torch.Tensor,
-                      drafts: torch.Tensor, commit_errors: torch.Tensor) -> None:
+def _replay_commit_impl(num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor], cursor: torch.Tensor,
+                        drafts: torch.Tensor, commit_errors: torch.Tensor) -> None:
     from ..kernels.speculative import launch_replay_commit
 
     launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, cursor.shape[0])
 
 
-@_replay_commit_op.register_fake
-def _replay_commit_fake(*args, **kwargs) -> None:
-    return None
+_replay_commit_op = mutating_op("qstate::replay_commit", _replay_commit_impl, ("cursor", "drafts", "commit_errors"))
 
 
-@torch.library.custom_op("qstate::selective_state_update_drafts",
-                         mutates_args=("intermediate", "intermediate_scale", "out"))
-def _drafts_op(
+def _drafts_impl(
     state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
     intermediate_scale: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
@@ -86,15 +79,13 @@ def _drafts_op(
                   slot_indices, out, state_format=StateFormat.parse(state_format))
 
 
-@_drafts_op.register_fake
-def _drafts_fake(*args, **kwargs) -> None:
-    return None
+_drafts_op = mutating_op("qstate::selective_state_update_drafts", _drafts_impl,
+                         ("intermediate", "intermediate_scale", "out"))
 
 
-@torch.library.custom_op("qstate::commit_drafts", mutates_args=("state", "state_scale"))
-def _commit_drafts_op(state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
-                      intermediate_scale: Optional[torch.Tensor], num_accepted: torch.Tensor,
-                      slot_indices: Optional[torch.Tensor]) -> None:
+def _commit_drafts_impl(state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
+                        intermediate_scale: Optional[torch.Tensor], num_accepted: torch.Tensor,
+                        slot_indices: Optional[torch.Tensor]) -> None:
     from ..kernels.speculative import launch_copy_accepted
 
     launch_copy_accepted(intermediate, state, num_accepted, slot_indices)
@@ -102,9 +93,7 @@ def _commit_drafts_op(state: torch.Tensor, state_scale: Optional[torch.Tensor], 
         launch_copy_accepted(intermediate_scale, state_scale, num_accepted, slot_indices)
 
 
-@_commit_drafts_op.register_fake
-def _commit_drafts_fake(*args, **kwargs) -> None:
-    return None
+_commit_drafts_op = mutating_op("qstate::commit_drafts", _commit_drafts_impl, ("state", "state_scale"))
 
 
 # ------------------------------------------------------------------------------------ validation
