@@ -515,8 +515,14 @@ GROUPED_STAGES = 2
 # wave. ncu on the H200 (batch 256, no read copy) found 4 programs resident per multiprocessor
 # (128 registers and 32 KB of shared memory each); rounded up, 9 × 256 programs made 4.36 waves
 # and the flush kernel took 733.7 µs (fp8 read copy: 924.3) against 699.6 (901.7) with 8 × 256;
-# grids of 2, 4, 16 and 33 × 256 programs took 699–704 (899–903).
-FLUSH_PROGRAMS_PER_SM = 16
+# grids of 2, 4, 16 and 33 × 256 programs took 699–704 (899–903). The kernel also runs on every
+# normal step, to move the cursors on, and there its cost grows with its programs: 4 per
+# multiprocessor (2 × 256 programs at batch 256, one wave) took whole flush cycles from 300.6 to
+# 298.0 µs (fp8 read copy 143.3 → 141.4; batch 16 with fp8 17.4 → 15.2) against 16, with the
+# flush step unchanged (737.8 against 733.8 µs); 2 per multiprocessor (one program per column,
+# half a wave) made the flush step 986.9 µs, and 32 made every case slower (graph timings of one
+# run, bench/results/sweeps-2026-12-01-c.log).
+FLUSH_PROGRAMS_PER_SM = 4
 # (rows of headdim, warps) of the flush kernel's tile: on the H200 (batch 256, flush step) 32 rows
 # and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
 # rows; 64 rows or 8 warps were slower.
