@@ -121,8 +121,8 @@ def _draft_outputs(
                                           mask_p[:, None] & mask_n[None, :], nheads, headdim, dstate, DTYPE, GRAN, HW,
                                           BLOCK_P, BLOCK_N, C_PARTS > 0)  # [BLOCK_P, BLOCK_N], [BLOCK_P]
     ring_head = slot.to(tl.int64) * nheads + h
-    ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
     ngroups = nheads // heads_per_group
+    ring_group = slot.to(tl.int64) * ngroups + g
     ts = tl.arange(0, BLOCK_T)
     is_t = ts < T
     js = tl.arange(0, BLOCK_J)
