@@ -299,15 +299,10 @@ class Variant:
 # The four-word noise stream halved the time of +sr formats on the H200 (int8:row+sr 594 µs
 # against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of 86f85bd); no other variant
 # beat the default for every format of its width there (bench/README.md).
+# Lead not yet adopted: at today's 16 × 128 two-warp tile, fp16 with even + 2 heads per program
+# + prefetch took 298.9 µs against 331.0 (H200 sweep of d0c2baa, sweep-conventional-d0c2baa.json);
+# making it fp16's default waits for the GPU reference check with it as the default.
 DEFAULT_VARIANTS = {4: Variant(), 2: Variant(sr_stream=1), 1: Variant(sr_stream=1)}
-# Round-to-nearest states whose default is another variant, by DTYPE code. fp16: two heads per
-# program with the next head's tile loaded before this one is updated, unmasked, at the 16 × 128
-# two-warp tile: 298.9 µs against 331.0 at batch 256 (H200, one run of d0c2baa's sweep,
-# bench/results/sweep-conventional-d0c2baa.json); the same variant at the 64 × 8 tile of the
-# 86f85bd sweep had lost. bf16 was not timed with it and keeps the default; for int8:row and
-# fp8_e4m3:row the same run found no clear winner (int8 "even" 280.6 against 287.2, fp8 "even"
-# 276.3 against 266.8).
-DEFAULT_RNE_VARIANTS = {codec.FP16: Variant(even=True, heads_per_prog=2, prefetch=True)}
 
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
@@ -355,8 +350,7 @@ def launch(
     tensor when unscaled); ``x, z, out (batch, nheads, headdim)`` with unit inner stride;
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
-    ``variant``: a :class:`Variant` (default: ``DEFAULT_RNE_VARIANTS[dtype_code]`` for a
-    round-to-nearest state that has one, else ``DEFAULT_VARIANTS[state.element_size()]``).
+    ``variant``: a :class:`Variant` (default ``DEFAULT_VARIANTS[state.element_size()]``).
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
@@ -375,9 +369,7 @@ def launch(
         scale_strides = (state_scale.stride(0), state_scale.stride(1), state_scale.stride(2))
     out_code = OUT_BF16 if out.dtype == torch.bfloat16 else OUT_FP16 if out.dtype == torch.float16 else OUT_FP32
     out_view = out.view(torch.int16) if out_code == OUT_BF16 else out
-    if variant is None:
-        variant = (DEFAULT_RNE_VARIANTS.get(dtype_code) if not stochastic else None) or \
-            DEFAULT_VARIANTS[state.element_size()]
+    variant = variant or DEFAULT_VARIANTS[state.element_size()]
     even = variant.even and headdim % block_p == 0 and dstate == block_n
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
     grid = (sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch)
