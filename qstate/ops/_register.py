@@ -25,7 +25,7 @@ def _no_output(*args, **kwargs) -> None:
 
 def mutating_op(name: str, impl: Callable[..., None], mutates_args: Sequence[str]) -> Callable[..., None]:
     """Register ``impl`` (annotated, returns None; its first argument a tensor) as the custom op
-    ``name``; returns its caller. The op object itself is the caller's ``op`` attribute."""
+    ``name``; returns its caller."""
     op = torch.library.custom_op(name, impl, mutates_args=tuple(mutates_args))
     op.register_fake(_no_output)
 
@@ -36,5 +36,4 @@ def mutating_op(name: str, impl: Callable[..., None], mutates_args: Sequence[str
         else:
             impl(*args)
 
-    call.op = op
     return call
