@@ -602,6 +602,7 @@ def launch_replay_decode(
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     block_n = max(32, sizes.next_power_of_2(dstate))
     block_l = max(2, sizes.next_power_of_2(L))
+    whole_p = sizes.next_power_of_2(headdim)  # a tile over the whole head
     z_arg = z if z is not None else dummy
     common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw)
     slots_arg = slot_indices if slot_indices is not None else dummy
@@ -619,7 +620,7 @@ def launch_replay_decode(
         heads_per_program = default_heads_per_program(batch)
     if heads_per_program:
         per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
-        block_p = step_block_p or sizes.next_power_of_2(headdim)
+        block_p = step_block_p or whole_p
         num_p_tiles = sizes.cdiv(headdim, block_p)
         _replay_step_grouped_kernel[(nheads // per_program * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads,
@@ -630,7 +631,7 @@ def launch_replay_decode(
         )
     else:
         tile_rows, tile_warps = STEP_TILE[state.element_size()]
-        block_p = min(sizes.next_power_of_2(headdim), tile_rows)
+        block_p = min(whole_p, tile_rows)
         while block_p > 32 and batch * nheads * sizes.cdiv(headdim, block_p) < STEP_MIN_PROGRAMS:
             block_p //= 2
         block_p = step_block_p or block_p
@@ -644,7 +645,7 @@ def launch_replay_decode(
         )
     # A per-head scale needs the whole head in one flush tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = sizes.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], sizes.next_power_of_2(headdim))
+    flush_block_p = whole_p if whole_head else min(FLUSH_TILE[0], whole_p)
     flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
     programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
     block_r = max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs * nheads * flush_p_tiles)))

@@ -500,6 +500,7 @@ def launch_replay_verify(
     block_n = max(32, sizes.next_power_of_2(dstate))
     block_j = max(16, sizes.next_power_of_2(cap))
     block_t = max(2, sizes.next_power_of_2(T))
+    whole_p = sizes.next_power_of_2(headdim)  # a tile over the whole head
     # Joint-sequence positions a verify can use: a row that does not flush has n = 0 or
     # n ≤ cap − 2T committed tokens, so n + T ≤ max(cap − T, T); the flushed rows have n = 0.
     # Tiles no longer than that (16 instead of 32 positions at T = 4, L = 16) keep the ring part
@@ -511,8 +512,8 @@ def launch_replay_verify(
     tile_kind = "fp32" if state_fmt.dtype == "fp32" else "tensor" if _tensor_dot(state_fmt) else "narrow"
     verify_p, verify_warps = VERIFY_TILE[tile_kind]
     if whole_state_head:
-        verify_p, verify_warps = sizes.next_power_of_2(headdim), 4
-    block_p = block_p or min(sizes.next_power_of_2(headdim), verify_p)
+        verify_p, verify_warps = whole_p, 4
+    block_p = block_p or min(whole_p, verify_p)
     num_warps = num_warps or verify_warps
     num_p_tiles = sizes.cdiv(headdim, block_p)
     c_parts = draft_c_parts(state_fmt, C.dtype, block_p)
@@ -541,7 +542,7 @@ def launch_replay_verify(
     )
     # The flush walks the list in a few programs per multiprocessor.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = sizes.next_power_of_2(headdim) if whole_head else min(FLUSH_TILE[0], sizes.next_power_of_2(headdim))
+    flush_block_p = whole_p if whole_head else min(FLUSH_TILE[0], whole_p)
     flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
     programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
     _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
@@ -558,8 +559,8 @@ def launch_replay_verify(
     # The flushed rows' drafts over the new state.
     rows_p, rows_warps = FLUSHED_ROWS_TILE
     if whole_state_head:
-        rows_p, rows_warps = sizes.next_power_of_2(headdim), 4
-    rows_p = min(rows_p, sizes.next_power_of_2(headdim))
+        rows_p, rows_warps = whole_p, 4
+    rows_p = min(rows_p, whole_p)
     rows_p_tiles = sizes.cdiv(headdim, rows_p)
     rows_programs = max(1, min(batch, sizes.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device),
                                                   nheads * rows_p_tiles)))
