@@ -295,14 +295,20 @@ class Variant:
     sr_rounds: int = 10
 
 
-# The variant the launcher runs, by state bytes per element; flip entries to a sweep's winner.
-# The four-word noise stream halved the time of +sr formats on the H200 (int8:row+sr 594 µs
-# against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of 86f85bd); no other variant
-# beat the default for every format of its width there (bench/README.md).
-# Lead not yet adopted: at today's 16 × 128 two-warp tile, fp16 with even + 2 heads per program
-# + prefetch took 298.9 µs against 331.0 (H200 sweep of d0c2baa, sweep-conventional-d0c2baa.json);
-# making it fp16's default waits for the GPU reference check with it as the default.
-DEFAULT_VARIANTS = {4: Variant(), 2: Variant(sr_stream=1), 1: Variant(sr_stream=1)}
+# The variant the launcher runs, by (state bytes per element, stochastic rounding); flip entries
+# to a sweep's winner. The four-word noise stream halved the time of +sr formats on the H200
+# (int8:row+sr 594 µs against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of
+# 86f85bd). At today's 16 × 128 two-warp tile, 16-bit states with round to nearest take even + 2
+# heads per program + prefetch: fp16 298.9 µs against 331.0 for the plain path (H200 sweep of
+# d0c2baa, sweep-conventional-d0c2baa.json); no other variant beat the plain path for every
+# format of its width (bench/README.md).
+DEFAULT_VARIANTS = {
+    (4, False): Variant(),
+    (2, False): Variant(even=True, heads_per_prog=2, prefetch=True),
+    (1, False): Variant(),
+    (2, True): Variant(sr_stream=1),
+    (1, True): Variant(sr_stream=1),
+}
 
 
 # Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
@@ -350,7 +356,7 @@ def launch(
     tensor when unscaled); ``x, z, out (batch, nheads, headdim)`` with unit inner stride;
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
-    ``variant``: a :class:`Variant` (default ``DEFAULT_VARIANTS[state.element_size()]``).
+    ``variant``: a :class:`Variant` (default ``DEFAULT_VARIANTS[(state.element_size(), stochastic)]``).
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
@@ -369,7 +375,7 @@ def launch(
         scale_strides = (state_scale.stride(0), state_scale.stride(1), state_scale.stride(2))
     out_code = OUT_BF16 if out.dtype == torch.bfloat16 else OUT_FP16 if out.dtype == torch.float16 else OUT_FP32
     out_view = out.view(torch.int16) if out_code == OUT_BF16 else out
-    variant = variant or DEFAULT_VARIANTS[state.element_size()]
+    variant = variant or DEFAULT_VARIANTS[(state.element_size(), stochastic)]
     even = variant.even and headdim % block_p == 0 and dstate == block_n
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
     grid = (sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch)

@@ -58,7 +58,7 @@ def _numpy_exp(t):
 def _kernel_noise(fmt, shape, seed, variant=None):
     """The kernel's uniform noise for every element of a state of ``shape`` (the stream of
     ``variant``, by default the one the launcher runs for this format)."""
-    variant = variant or conventional.DEFAULT_VARIANTS[fmt.storage_dtype.itemsize]
+    variant = variant or conventional.DEFAULT_VARIANTS[(fmt.storage_dtype.itemsize, fmt.stochastic)]
     nslots, nheads, headdim, dstate = shape
     zeros = torch.zeros(nslots * nheads, headdim, dstate)
     return codec_probe.quantize_heads(zeros, fmt, seed=seed, hardware_casts=False, sr_stream=variant.sr_stream,
@@ -281,7 +281,7 @@ VARIANT_SHAPES = {"even": (8, 16, 32, 2, 8), "odd": (6, 80, 96, 1, None)}
 def use_variant(monkeypatch):
     """Run the public op with ``variant`` for every state width (and BLOCK_P forced when given)."""
     def apply(variant, block_p=None):
-        monkeypatch.setattr(conventional, "DEFAULT_VARIANTS", {4: variant, 2: variant, 1: variant})
+        monkeypatch.setattr(conventional, "DEFAULT_VARIANTS", {key: variant for key in conventional.DEFAULT_VARIANTS})
         if block_p is not None:
             config = conventional.tile_config
             monkeypatch.setattr(conventional, "tile_config", lambda *a, **k: (block_p,) + config(*a, **k)[1:])
