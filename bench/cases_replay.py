@@ -265,6 +265,8 @@ def timing_cases(device, layer=LAYER):
     # The launcher's own choice of step kernel (what replay_decode runs).
     for batch in (256, 1):
         out += [cycle_case(batch, "fp32", read, 16, "default", device, layer=layer) for read in (None, "fp8_e4m3:row")]
+    out += [single_step_case(256, "fp32", read, 16, "default", which, device, layer=layer)
+            for read in (None, "fp8_e4m3:row") for which in ("normal", "flush")]
     # Staggered cursors, as a serving engine's admissions leave them: every step flushes 1/16 of the rows.
     out += [cycle_case(256, "fp32", read, 16, "default", device, phase="staggered", layer=layer)
             for read in (None, "fp8_e4m3:row")]
