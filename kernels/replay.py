@@ -110,33 +110,6 @@ def _load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim
 
 
 @triton.jit
-def _state_times_C(codes_ptr, scale_ptr, slot, h, rows4, ks, cols4, mask4, C4, nheads, headdim, dstate,
-                   DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``S·C`` ([BLOCK_P] fp32, scales applied) of one head's state, taken as a ``[K, R, ROWS,
-    CW]`` tile: column ``k·CW + c`` of row ``r·ROWS + i`` (kernels/README.md, "state times C").
-    With ``C4`` laid out ``[K, 1, ROWS, CW]`` over the lanes, every thread holds all K chunks
-    of its columns, so the sum over chunks stays in the thread and only the CW columns of a
-    chunk are summed across lanes, instead of all of dstate."""
-    head = slot.to(tl.int64) * nheads + h
-    codes = tl.load(codes_ptr + head * headdim * dstate + rows4[None, :, :, None] * dstate + cols4, mask=mask4,
-                    other=0)  # [K, R, ROWS, CW]
-    products = codec.decode(codes, DTYPE, HW) * C4
-    if GRAN == 3:
-        # block32 chunks are one block wide: sum each chunk, then weigh it by its scale.
-        block_scale = tl.load(scale_ptr + (head * headdim + rows4[None, :, :]) * (dstate // 32) + ks[:, None, None],
-                              mask=(rows4[None, :, :] < headdim) & (ks[:, None, None] < dstate // 32),
-                              other=1.0)  # [K, R, ROWS]
-        dot = tl.sum(tl.sum(products, axis=3) * block_scale, axis=0)  # [R, ROWS]
-    else:
-        dot = tl.sum(tl.sum(products, axis=0), axis=2)  # [R, ROWS]
-        if GRAN == 1:
-            dot = dot * tl.load(scale_ptr + head * headdim + rows4, mask=rows4 < headdim, other=1.0)
-        elif GRAN == 2:
-            dot = dot * tl.load(scale_ptr + head)
-    return tl.reshape(dot, [BLOCK_P])
-
-
-@triton.jit
 def _grid_values(v, u, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
     """The values of the codes ``codec.encode(v, u, ...)`` gives, in fp32 (v saturated and scaled)."""
     if STOCHASTIC:
@@ -324,7 +297,7 @@ def _replay_step_grouped_kernel(
     L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, CHUNK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
@@ -376,19 +349,6 @@ def _replay_step_grouped_kernel(
         if n != L - 1:
             A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
             C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
-            # The [K, R, ROWS, CW] view of a state tile (_state_times_C). C is loaded once per
-            # row-lane ([K, ROWS, CW], the middle axis repeats it), which gives it the lanes'
-            # layout that the state tile then takes.
-            ROWS: tl.constexpr = min(8, BLOCK_P)
-            ks = tl.arange(0, BLOCK_N // CHUNK_N)
-            row_lanes = tl.arange(0, ROWS)
-            cols3 = ks[:, None, None] * CHUNK_N + tl.arange(0, CHUNK_N)[None, None, :]  # [K, 1, CW]
-            C4 = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols3 + row_lanes[None, :, None] * 0,
-                         mask=(cols3 < DSTATE) & (row_lanes[None, :, None] < ROWS),
-                         other=0.0).to(tl.float32)[:, None, :, :]  # [K, 1, ROWS, CW]
-            cols4 = cols3[:, None, :, :]  # [K, 1, 1, CW]
-            rows4 = tl.reshape(rows, [BLOCK_P // ROWS, ROWS])  # [R, ROWS]
-            mask4 = (rows4[None, :, :, None] < HEADDIM) & (cols4 < DSTATE)  # [K, R, ROWS, CW]
             # Ring weights of every head of the program, and B_j · C shared by all of them.
             dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
                           mask=mask_h[:, None] & older[None, :], other=0.0)
@@ -403,13 +363,15 @@ def _replay_step_grouped_kernel(
             ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
             if HAS_D:
                 D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+            tile_mask = mask_p[:, None] & mask_n[None, :]
             for i in tl.range(0, HEADS_PER_PROG, num_stages=LOOP_STAGES):
                 h = h0 + i
                 pick = lanes == i
                 ring_head = slot.to(tl.int64) * nheads + h
-                state_C = _state_times_C(state_ptr, state_scale_ptr, slot, h, rows4, ks, cols4, mask4, C4, nheads,
-                                         HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P)  # [BLOCK_P]
+                state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
+                                                      nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
                 x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
                 tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
                 x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
                                  mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
@@ -548,10 +510,6 @@ DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 1
 GROUPED_STAGES = 2
-# Bytes of a row per chunk of the grouped step kernel's S·C (kernels/README.md, "state times
-# C"): 64-byte row segments, 4 lanes × 16 bytes, so 8 rows share a warp-wide access and the
-# sum across lanes is 2 shuffle rounds per row instead of 5.
-GROUPED_CHUNK_BYTES = 64
 # At most this many flush programs per multiprocessor, each walking the flush list for one
 # (head, P-tile): the programs per (head, P-tile) are rounded down, so the grid ends on a whole
 # wave. ncu on the H200 (batch 256, no read copy) found 4 programs resident per multiprocessor
@@ -578,15 +536,6 @@ FLUSH_STAGES = {False: 3, True: None}
 # H200, batch 256, every row flushing: with an fp8 read copy 128 registers took 926 µs against
 # 952 uncapped (96: 1153); without one 128 changed nothing (729.5 against 729.2).
 FLUSH_MAXNREG = {False: None, True: 128}
-
-
-def grouped_chunk_columns(element_bytes: int, granularity, block_n: int) -> int:
-    """Columns of one chunk of the grouped step kernel's ``S·C`` (:func:`_state_times_C`):
-    ``GROUPED_CHUNK_BYTES`` of a row, 32 for block32 scales (one scale per chunk), at most the
-    tile's width."""
-    if granularity == "block32":
-        return min(32, block_n)
-    return min(max(1, GROUPED_CHUNK_BYTES // element_bytes), block_n)
 
 
 def default_heads_per_program(batch: int) -> int:
@@ -677,7 +626,6 @@ def launch_replay_decode(
             *step_args, checkpoint.shape[0], nheads,
             HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
             HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
-            CHUNK_N=grouped_chunk_columns(state.element_size(), state_fmt.granularity, block_n),
             BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )
