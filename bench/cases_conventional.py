@@ -9,6 +9,7 @@ from qstate import formats, profiles, reference
 from qstate.kernels import codec, codec_probe
 from qstate.kernels import conventional as kernel
 
+from . import harness
 from .harness import Case, register
 
 MODELS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
@@ -233,7 +234,33 @@ def check_kernel(device, steps=3):
                 failures.append(f"kernel {text} {input_dtype}: first {first:.2e} differing {differing:.2e} "
                                 f"err {err:.2e} vs naive {err_ref:.2e}")
     variant_failures, variant_report = check_variants(device)
-    return failures + variant_failures, report + variant_report
+    return failures + variant_failures + check_graph(device), report + variant_report
+
+
+def check_graph(device, batch=64, steps=8):
+    """Steps of the public op under CUDA-graph replay (the kernel launching with PDL, each step
+    reading the state the step before wrote) against the same steps run eagerly without PDL,
+    bit for bit (:func:`harness.graph_matches_eager`): states, scales and outputs, for fp32,
+    fp16, int8:row, fp8_e4m3:row and fp8_e4m3:row+sr. Returns failures."""
+    failures = []
+    for text in ("fp32", "fp16", "int8:row", "fp8_e4m3:row", "fp8_e4m3:row+sr"):
+        fmt = formats.StateFormat.parse(text)
+
+        def make():
+            buffers = make_inputs(MODELS[0], batch, fmt, device)
+            buffers["outs"] = torch.full((steps,) + tuple(buffers["out"].shape), float("nan"), device=device,
+                                         dtype=buffers["out"].dtype)
+            return buffers
+
+        def run(buffers, text=text):
+            for i in range(steps):
+                buffers["out"] = buffers["outs"][i]
+                run_public(buffers, text, seed=i)
+
+        failures += harness.graph_matches_eager(
+            f"conventional graph {text}", make, run,
+            lambda b: dict(state=b["state"], state_scale=b["state_scale"], outputs=b["outs"]))
+    return failures
 
 
 def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):

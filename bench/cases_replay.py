@@ -170,7 +170,36 @@ def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
             report.append(row)
             if problems:
                 failures.append(f"replay {key}: " + "; ".join(problems))
+    failures += check_graph(device)
     return failures, report
+
+
+def check_graph(device, batch=64, steps=40, layer=LAYER):
+    """Replay steps under CUDA-graph replay (kernels launching with PDL) against the same steps
+    run eagerly without PDL, bit for bit (:func:`harness.graph_matches_eager`): every cache
+    tensor but the flush list (its order is that of the atomics) and every step's output,
+    staggered cursors so that every step flushes some rows. Returns failures."""
+    failures = []
+    for read in (None, "fp8_e4m3:row"):
+        for kernel_name in ("default", "per-head"):
+            def make():
+                cache, inp, _ = _buffers(batch, "fp32", read, 16, layer, device, "staggered")
+                outs = torch.full((steps, batch, layer["nheads"], layer["headdim"]), float("nan"), device=device,
+                                  dtype=torch.bfloat16)
+                return cache, inp, outs
+
+            def run(buffers, kernel=STEP_KERNELS[kernel_name]):
+                cache, inp, outs = buffers
+                for i in range(steps):
+                    step(cache, inp, outs[i], **kernel)
+
+            def tensors(buffers):
+                cache, _, outs = buffers
+                return dict({k: v for k, v in cache.tensors().items() if k != "flush_rows"}, outputs=outs)
+
+            failures += harness.graph_matches_eager(f"replay graph fp32+{read or 'none'} {kernel_name}", make, run,
+                                                    tensors)
+    return failures
 
 
 # ---------------------------------------------------------------------------- timing

@@ -103,6 +103,43 @@ def time_case(case: Case, replays: int = 20) -> float:
         torch.cuda.empty_cache()
 
 
+def graph_matches_eager(name: str, make_buffers: Callable[[], Any], steps: Callable[[Any], None],
+                        tensors: Callable[[Any], dict]) -> list[str]:
+    """Failures where ``steps(buffers)`` captured in a CUDA graph and replayed (its kernels
+    launching with programmatic dependent launch where the GPU has it, kernels/pdl.py) leaves
+    ``tensors(buffers)`` other than the same steps run eagerly with PDL off, bit for bit: a
+    kernel that touched memory before its grid-dependency wait would race with the kernel
+    before it. ``make_buffers`` must give equal buffers on every call."""
+    from qstate.kernels import pdl
+
+    enabled = pdl.enabled
+    eager = make_buffers()
+    pdl.enabled = lambda device: False
+    try:
+        steps(eager)
+    finally:
+        pdl.enabled = enabled
+    steps(make_buffers())  # compiles the PDL kernels outside the capture
+    torch.cuda.synchronize()
+    captured = make_buffers()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps(captured)
+    graph.replay()
+    torch.cuda.synchronize()
+    failures = []
+    expected, actual = tensors(eager), tensors(captured)
+    for key, want in expected.items():
+        got = actual[key]
+        if want is None:
+            continue
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
+        differing = int((want.view(bits) != got.view(bits)).sum())
+        if differing:
+            failures.append(f"{name}: graph replay differs from eager in {key} ({differing} elements)")
+    return failures
+
+
 @triton.jit
 def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

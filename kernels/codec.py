@@ -36,6 +36,8 @@ In-kernel functions:
   ``clamp(amax / QMAX, FLT_MIN, 2**(126 - EMAX))``; for block32 the MX rule
   ``2**clamp(floor(log2(amax)) - EMAX, -126, 126 - EMAX)``.
 * ``saturate(v, QMAX: constexpr) -> fp32``: clamp to ``[-QMAX, QMAX]`` (before rounding).
+* ``encode_saturating(v, u, QMAX, DTYPE, STOCHASTIC, HW)``: ``encode(saturate(v))``, the
+  clamp left to the GPU's satfinite e4m3 cast where that is the encoder.
 * ``round_rne(v, DTYPE) -> fp32``: nearest-even grid value of ``v`` (exact arithmetic).
 * ``round_sr(v, u, DTYPE) -> fp32``: ``floor(v / step + u) * step`` (exact arithmetic).
 * ``grid_to_codes(g, DTYPE, HW)``: grid values → storage codes (no rounding happens).
@@ -161,6 +163,20 @@ def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.const
 @triton.jit
 def saturate(v, QMAX: tl.constexpr):
     return tl.minimum(tl.maximum(v, -QMAX), QMAX)
+
+
+@triton.jit
+def encode_saturating(v, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr):
+    """``encode(saturate(v, QMAX), ...)``. The GPU's fp8 e4m3 cast (``cvt.rn.satfinite``, sm_89
+    and later; Triton has no e4m3 cast below) clamps finite values and inf to ±448 itself, so
+    with round to nearest the clamp is left to it: two instructions per element fewer. A NaN
+    then gives a NaN code, as the reference's clamp-then-cast does (the clamp's max/min would
+    give −448)."""
+    if HW and DTYPE == 3 and not STOCHASTIC:
+        codes = encode(v, u, DTYPE, STOCHASTIC, HW)
+    else:
+        codes = encode(saturate(v, QMAX), u, DTYPE, STOCHASTIC, HW)
+    return codes
 
 
 @triton.jit

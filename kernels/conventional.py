@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, sizes
+from . import codec, pdl, sizes
 from .softplus import softplus
 
 OUT_FP32 = 0
@@ -152,7 +152,7 @@ def _update_head(
     if DTYPE == 0:
         codes = new_state
     elif GRAN == 0:
-        codes = codec.encode(codec.saturate(new_state, QMAX), u, DTYPE, STOCHASTIC, HW)
+        codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
     else:
         magnitude = tl.abs(new_state)
         if GRAN == 1:
@@ -169,7 +169,7 @@ def _update_head(
             _store(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], scale, block_mask)
             scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
         scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
-        codes = codec.encode(codec.saturate(scaled, QMAX), u, DTYPE, STOCHASTIC, HW)
+        codes = codec.encode_saturating(scaled, u, QMAX, DTYPE, STOCHASTIC, HW)
     state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
     _store(state_tile, codes, tile_mask)
 
@@ -189,8 +189,9 @@ def _conventional_kernel(
     DT_SOFTPLUS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, HEADS_PER_PROG: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
+    SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.grid_dependency(PDL)
     p_block = tl.program_id(0)
     head0 = tl.program_id(1) * HEADS_PER_PROG
     batch_row = tl.program_id(2)
@@ -379,6 +380,7 @@ def launch(
     even = variant.even and headdim % block_p == 0 and dstate == block_n
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
     grid = (sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch)
+    use_pdl = pdl.enabled(state.device)
     _conventional_kernel[grid](
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out_view, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,
@@ -390,5 +392,6 @@ def launch(
         HAS_BIAS=dt_bias is not None, HAS_SLOTS=slot_indices is not None, DT_SOFTPLUS=dt_softplus,
         SEED_FROM_PTR=seed_tensor is not None, OUT_DTYPE=out_code, BLOCK_P=block_p, BLOCK_N=block_n,
         EVEN=even, HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
-        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, num_warps=num_warps,
+        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, PDL=use_pdl, num_warps=num_warps,
+        **pdl.launch_options(use_pdl),
     )

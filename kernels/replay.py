@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot, sizes
+from . import codec, exact_dot, pdl, sizes
 from .softplus import softplus
 
 
@@ -218,8 +218,9 @@ def _replay_step_kernel(
     L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, STATE_FIRST: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.grid_dependency(PDL)
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
                                                           NUM_P_TILES, BLOCK_P, BLOCK_N)
     b = tl.program_id(1)
@@ -299,11 +300,13 @@ def _replay_step_grouped_kernel(
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
     ``(nheads / HEADS_PER_PROG × P-tiles, batch)``: slot, cursor, the ring's dts and B, and
     ``B_j · C`` are loaded or computed once for all the program's heads, and a pipelined loop
     over the heads streams their state tiles and x rings (kernels/README.md, "grouped step")."""
+    pdl.grid_dependency(PDL)
     chunk = tl.program_id(0) // NUM_P_TILES
     p_tile = tl.program_id(0) % NUM_P_TILES
     b = tl.program_id(1)
@@ -409,8 +412,9 @@ def _replay_flush_kernel(
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     LOOP_STAGES: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.grid_dependency(PDL)
     pid = tl.program_id(0)
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(1), heads_per_group, headdim, dstate,
                                                           NUM_P_TILES, BLOCK_P, BLOCK_N)
@@ -604,7 +608,9 @@ def launch_replay_decode(
     block_l = max(2, sizes.next_power_of_2(L))
     whole_p = sizes.next_power_of_2(headdim)  # a tile over the whole head
     z_arg = z if z is not None else dummy
-    common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw)
+    use_pdl = pdl.enabled(x.device)
+    common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw, PDL=use_pdl,
+                  **pdl.launch_options(use_pdl))
     slots_arg = slot_indices if slot_indices is not None else dummy
     step_args = (
         x, dt, A, B, C, D if D is not None else dummy, z_arg, dt_bias if dt_bias is not None else dummy,

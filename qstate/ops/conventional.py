@@ -86,7 +86,9 @@ def selective_state_update(
     of the state's dtype (mamba_ssm's behaviour). ``seed``: an int, a one-element device tensor
     (read by the kernel; refill it between CUDA-graph replays), or None (drawn from torch's CPU
     generator). An index ``≥ nslots`` raises on CPU; on a GPU (no sync) that row's output is NaN
-    and nothing is written. Returns ``out`` (allocated like ``x`` when None).
+    and nothing is written. A NaN or inf in a row's inputs stays in that row: its output and its
+    slot's state may become NaN, inf or saturated codes (with scales of no use); no other slot
+    is read or written. Returns ``out`` (allocated like ``x`` when None).
     """
     consts = _common.resolve_format(state_format, state)
     _common.check_state(state, state_scale, consts)

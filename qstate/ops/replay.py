@@ -135,7 +135,10 @@ def replay_decode(
     token to the ring. The row whose ring becomes full (``cache.ring_len`` tokens) flushes: the
     ring is folded into the checkpoint in fp32 starting from the stored checkpoint, and the new
     checkpoint and its read copy are written. Padding rows output zeros and write nothing.
-    Slots may not repeat within a call. Returns ``y (batch, nheads, headdim)`` (``out`` if given).
+    Slots may not repeat within a call. A NaN or inf in a row's inputs stays in that row: it
+    reaches the row's outputs from then on and, at the slot's next flush, its checkpoint and
+    read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
+    ``y (batch, nheads, headdim)`` (``out`` if given).
     """
     if not isinstance(cache, ReplayCache):
         raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
