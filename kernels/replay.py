@@ -300,7 +300,7 @@ def _replay_step_grouped_kernel(
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr, RING_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
     ``(nheads / HEADS_PER_PROG × P-tiles, batch)``: slot, cursor, the ring's dts and B, and
@@ -327,18 +327,9 @@ def _replay_step_grouped_kernel(
         tl.store(y_tile, (tl.zeros([BLOCK_H, BLOCK_P], tl.float32) + bad).to(y_tile.dtype.element_ty),
                  mask=mask_h[:, None] & mask_p[None, :])
     else:
-        js = tl.arange(0, BLOCK_L)
-        ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
-        ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
-        if RING_FIRST:
-            # The whole ring's dts and B, before the cursor: not waiting for it, their latency
-            # overlaps its load; the tokens past the cursor are masked out below.
-            dts_all = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
-                              mask=mask_h[:, None] & (js[None, :] < L), other=0.0)  # [BLOCK_H, BLOCK_L]
-            B_all = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
-                            mask=(js[:, None] < L) & mask_n[None, :], other=0.0)  # [BLOCK_L, BLOCK_N]
         n = tl.load(cursor_ptr + slot)
         full = n == L - 1
+        js = tl.arange(0, BLOCK_L)
         older = js < n
         current = js == n
         dt = tl.load(dt_ptr + b * stride_dt_b + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
@@ -347,6 +338,8 @@ def _replay_step_grouped_kernel(
         if SOFTPLUS:
             dt = softplus(dt)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
+        ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
+        ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
         if p_tile == 0:
             # Appends: the program's dts, the group's B once (by the group's first program).
             tl.store(ring_dt_ptr + ring_heads * L + n, dt, mask=mask_h)
@@ -360,20 +353,14 @@ def _replay_step_grouped_kernel(
             A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
             C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
             # Ring weights of every head of the program, and B_j · C shared by all of them.
-            if RING_FIRST:
-                dts = tl.where(older[None, :], dts_all, 0.0)
-            else:
-                dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
-                              mask=mask_h[:, None] & older[None, :], other=0.0)
+            dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
+                          mask=mask_h[:, None] & older[None, :], other=0.0)
             dts = tl.where(current[None, :], dt[:, None], dts)  # [BLOCK_H, BLOCK_L]; zero after the current token
             total = tl.sum(dts, axis=1)  # [BLOCK_H]
             weights = tl.exp(A[:, None] * (total[:, None] - tl.cumsum(dts, axis=1))) * dts  # [BLOCK_H, BLOCK_L]
             decay = tl.exp(A * total)  # [BLOCK_H]
-            if RING_FIRST:
-                B_ring = tl.where(older[:, None], B_all.to(tl.float32), 0.0)
-            else:
-                B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
-                                 mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
+                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
             BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
             ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
@@ -527,7 +514,6 @@ DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 1
 GROUPED_STAGES = 2
-GROUPED_RING_FIRST = True
 # At most this many flush programs per multiprocessor, each walking the flush list for one
 # (head, P-tile): the programs per (head, P-tile) are rounded down, so the grid ends on a whole
 # wave. ncu on the H200 (batch 256, no read copy) found 4 programs resident per multiprocessor
@@ -645,7 +631,7 @@ def launch_replay_decode(
         _replay_step_grouped_kernel[(nheads // per_program * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads,
             HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
-            HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES, RING_FIRST=GROUPED_RING_FIRST,
+            HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
             BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )
