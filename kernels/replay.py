@@ -159,9 +159,10 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
             tl.store(scale_ptr + (head * headdim + rows[:, None]) * (dstate // 32) + blocks[None, :], scale,
                      mask=(rows[:, None] < headdim) & (blocks[None, :] < dstate // 32))
             scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
-        v = codec.saturate(codec.divide_rn(values, scale_tile, codec.reciprocal_rn(scale_tile), HW), QMAX)
-        codes = codec.encode(v, u, DTYPE, STOCHASTIC, HW)
-        stored = _grid_values(v, u, DTYPE, STOCHASTIC) * scale_tile
+        v = codec.divide_rn(values, scale_tile, codec.reciprocal_rn(scale_tile), HW)
+        codes = codec.encode_saturating(v, u, QMAX, DTYPE, STOCHASTIC, HW)
+        # Where the caller drops the grid values (a read copy), this clamp compiles away.
+        stored = _grid_values(codec.saturate(v, QMAX), u, DTYPE, STOCHASTIC) * scale_tile
     tl.store(codes_ptr + base + inner, codes, mask=mask)
     return stored
 
