@@ -301,7 +301,7 @@ def _replay_step_grouped_kernel(
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr, HOIST_X: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
     ``(nheads / HEADS_PER_PROG × P-tiles, batch)``: slot, cursor, the ring's dts and B, and
@@ -350,15 +350,6 @@ def _replay_step_grouped_kernel(
                 position = tl.atomic_add(flush_counters_ptr, 1)
                 tl.store(flush_rows_ptr + position, b)
                 tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
-        if HOIST_X:
-            head_rows = mask_h[:, None] & mask_p[None, :]
-            x_heads = tl.load(x_ptr + b * stride_x_b + heads[:, None] * stride_x_h + rows[None, :], mask=head_rows,
-                              other=0.0)  # [BLOCK_H, BLOCK_P]
-            tl.store(ring_x_ptr + (ring_heads[:, None] * L + n) * HEADDIM + rows[None, :], x_heads, mask=head_rows)
-            x_heads = x_heads.to(tl.float32)
-            if HAS_Z:
-                z_heads = tl.load(z_ptr + b * stride_z_b + heads[:, None] * stride_z_h + rows[None, :], mask=head_rows,
-                                  other=0.0).to(tl.float32)
         if n != L - 1:
             A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
             C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
@@ -383,13 +374,9 @@ def _replay_step_grouped_kernel(
                 ring_head = slot.to(tl.int64) * nheads + h
                 state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
                                                       nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
-                if HOIST_X:
-                    x_t = tl.sum(tl.where(pick[:, None], x_heads, 0.0), axis=0)  # [BLOCK_P]
-                else:
-                    x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
                 state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
-                if not HOIST_X:
-                    tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
+                tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
                 x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
                                  mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
                 x_t = x_t.to(tl.float32)
@@ -400,15 +387,11 @@ def _replay_step_grouped_kernel(
                 if HAS_D:
                     y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
                 if HAS_Z:
-                    if HOIST_X:
-                        z = tl.sum(tl.where(pick[:, None], z_heads, 0.0), axis=0)
-                    else:
-                        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + rows, mask=mask_p,
-                                    other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + rows, mask=mask_p, other=0.0).to(tl.float32)
                     y = y * z / (1.0 + tl.exp(-z))
                 y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
                 tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
-        elif not HOIST_X:
+        else:
             # A full row's output comes from the flush kernel: only its tokens join the ring.
             for i in range(0, HEADS_PER_PROG):
                 h = h0 + i
@@ -532,7 +515,6 @@ DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 1
 GROUPED_STAGES = 2
-GROUPED_HOIST_X = True
 # At most this many flush programs per multiprocessor, each walking the flush list for one
 # (head, P-tile): the programs per (head, P-tile) are rounded down, so the grid ends on a whole
 # wave. ncu on the H200 (batch 256, no read copy) found 4 programs resident per multiprocessor
@@ -650,7 +632,7 @@ def launch_replay_decode(
         _replay_step_grouped_kernel[(nheads // per_program * num_p_tiles, batch)](
             *step_args, checkpoint.shape[0], nheads,
             HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
-            HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES, HOIST_X=GROUPED_HOIST_X,
+            HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
             BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )
