@@ -301,8 +301,9 @@ class Variant:
 # (int8:row+sr 594 µs against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of
 # 86f85bd). At today's 16 × 128 two-warp tile, 16-bit states with round to nearest take even + 2
 # heads per program + prefetch: fp16 298.9 µs against 331.0 for the plain path (H200 sweep of
-# d0c2baa, sweep-conventional-d0c2baa.json); no other variant beat the plain path for every
-# format of its width (bench/README.md).
+# d0c2baa, sweep-conventional-d0c2baa.json), and 320.4 against 331.6 (bf16 318.7 / 336.1) in
+# the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among head counts moves
+# between machines, the gain over the plain path does not (bench/README.md).
 DEFAULT_VARIANTS = {
     (4, False): Variant(),
     (2, False): Variant(even=True, heads_per_prog=2, prefetch=True),
