@@ -10,7 +10,7 @@ from qstate.kernels import codec, codec_probe
 from qstate.kernels import conventional as kernel
 
 from . import harness
-from .harness import Case, register
+from .harness import Case, bits, register
 
 MODELS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
 BATCHES = (1, 16, 64, 256)
@@ -159,10 +159,6 @@ def eager_overhead(device):
     return dict(public_us=eager_us(lambda: run_public(b, "fp32")), launcher_us=eager_us(lambda: run_launcher(b, fmt)))
 
 
-def _bits(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def check_codec(device):
     """The codec probe on the GPU, with and without conversion instructions, vs qstate.formats:
     every format, 2**19 values per format over many binades, bit for bit. Returns failures."""
@@ -177,9 +173,9 @@ def check_codec(device):
         for hw in (False, True):
             codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=5, hardware_casts=hw)
             expected = formats.quantize(x, fmt, noise=noise)
-            bad = int((_bits(codes) != _bits(expected.data)).sum())
+            bad = int((bits(codes) != bits(expected.data)).sum())
             if fmt.scaled:
-                bad += int((_bits(scale) != _bits(expected.scale)).sum())
+                bad += int((bits(scale) != bits(expected.scale)).sum())
             if bad:
                 failures.append(f"codec {text} hw={hw}: {bad} codes/scales differ")
     return failures
@@ -223,7 +219,7 @@ def check_kernel(device, steps=3):
             first_bound = 4e-3 if input_dtype == torch.bfloat16 else 1e-5
             differing = 0.0
             if (fmt.scaled or fmt.dtype in ("bf16", "fp16")) and not fmt.stochastic:
-                differing = (_bits(state) != _bits(formats.quantize(S_ref, fmt).data)).double().mean().item()
+                differing = (bits(state) != bits(formats.quantize(S_ref, fmt).data)).double().mean().item()
             err, err_ref = rel(y, y_exact), rel(y_ref, y_exact)
             # Outputs in bf16 add one bf16 rounding (2**-9 relative) that decode_naive's fp32 lacks.
             ok = (bool(torch.isfinite(y).all()) and first < first_bound and differing < 1e-3
@@ -309,9 +305,9 @@ def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
             continue
         ref_state, _, ref_out = results["default"]
         for tag, (state, scale, out) in results.items():
-            untouched = all(torch.equal(_bits(state[i]), _bits(q.data[i])) for i in (1, 2, 4, 5))
+            untouched = all(torch.equal(bits(state[i]), bits(q.data[i])) for i in (1, 2, 4, 5))
             if scale is not None:
-                untouched = untouched and all(torch.equal(_bits(scale[i]), _bits(q.scale[i])) for i in (1, 2, 4, 5))
+                untouched = untouched and all(torch.equal(bits(scale[i]), bits(q.scale[i])) for i in (1, 2, 4, 5))
             padded_zero = bool((out[1] == 0).all() and (out[3] == 0).all())
             live = [0, 2]
             rel = ((out[live].double() - ref_out[live].double()).norm() / ref_out[live].double().norm()).item()
@@ -320,7 +316,7 @@ def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
                                                               ref_out[live].double().abs())).all())
             same_stream = not fmt.stochastic or (variants[tag][0] is None or variants[tag][0].sr_stream == 0)
             if same_stream:
-                differing = (_bits(state[[3, 0]]) != _bits(ref_state[[3, 0]])).double().mean().item()
+                differing = (bits(state[[3, 0]]) != bits(ref_state[[3, 0]])).double().mean().item()
                 codes_ok = differing < 1e-3
             else:
                 differing = (state[[3, 0]].int() - ref_state[[3, 0]].int()).abs().max().item() if fmt.dtype == "int8" \

@@ -103,6 +103,12 @@ def time_case(case: Case, replays: int = 20) -> float:
         torch.cuda.empty_cache()
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size, for bit-for-bit comparisons (NaN equal to
+    itself, −0 unequal to +0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def graph_matches_eager(name: str, make_buffers: Callable[[], Any], steps: Callable[[Any], None],
                         tensors: Callable[[Any], dict]) -> list[str]:
     """Failures where ``steps(buffers)`` captured in a CUDA graph and replayed (its kernels
@@ -133,8 +139,7 @@ def graph_matches_eager(name: str, make_buffers: Callable[[], Any], steps: Calla
         got = actual[key]
         if want is None:
             continue
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
-        differing = int((want.view(bits) != got.view(bits)).sum())
+        differing = int((bits(want) != bits(got)).sum())
         if differing:
             failures.append(f"{name}: graph replay differs from eager in {key} ({differing} elements)")
     return failures

@@ -11,12 +11,12 @@ when it exits), so this is safe next to any other kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import gpu
 
 
 @triton.jit
@@ -26,17 +26,12 @@ def grid_dependency(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: CUDA devices of compute capability 9.0 or
     later (never under the interpreter)."""
     if device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return gpu.capability(device) >= (9, 0)
 
 
 def launch_options(pdl: bool) -> dict:

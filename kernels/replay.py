@@ -21,14 +21,13 @@ next step starts clean without the host looking.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot, pdl, sizes
+from . import codec, exact_dot, gpu, pdl, sizes
 from .softplus import softplus
 
 
@@ -563,24 +562,11 @@ def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
     return {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessors of a GPU (1 under the interpreter), cached: torch's property lookup was
-    the largest single cost of an eager replay step's Python on the H200 machine's host."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 1
-
-
 def flush_programs(batch: int, columns: int, per_sm: int, device: torch.device) -> int:
     """Programs per (head, P-tile) column of a kernel that walks the flush list: at most
     ``per_sm`` per multiprocessor over all ``columns``, rounded down (a whole number of waves
     when the resident programs per multiprocessor divide ``per_sm``), and at most ``batch``."""
-    return max(1, min(batch, per_sm * _num_sms(device) // columns))
+    return max(1, min(batch, per_sm * gpu.sm_count(device) // columns))
 
 
 def launch_replay_decode(

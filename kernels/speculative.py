@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot, sizes
+from . import codec, exact_dot, gpu, sizes
 from .conventional import tile_config
-from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _num_sms, _process_dt, _slot_of,
+from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of,
                      _store_state, flush_programs, register_cap)
 from .softplus import softplus
 
@@ -562,7 +562,7 @@ def launch_replay_verify(
         rows_p, rows_warps = whole_p, 4
     rows_p = min(rows_p, whole_p)
     rows_p_tiles = sizes.cdiv(headdim, rows_p)
-    rows_programs = max(1, min(batch, sizes.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * _num_sms(x.device),
+    rows_programs = max(1, min(batch, sizes.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * gpu.sm_count(x.device),
                                                   nheads * rows_p_tiles)))
     _verify_flushed_rows_kernel[(rows_programs, nheads * rows_p_tiles)](
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
