@@ -136,7 +136,12 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
         u = codec.uniform(seed, h * headdim * dstate + inner)
     else:
         u = 0.0
-    if GRAN == 0:
+    if DTYPE == 0:
+        # fp32 stores the values as they are, as the reference does (formats.quantize): no
+        # clamp to ±FLT_MAX, which was two instructions per element of the flush loop.
+        codes = values
+        stored = values
+    elif GRAN == 0:
         saturated = codec.saturate(values, QMAX)
         codes = codec.encode(saturated, u, DTYPE, STOCHASTIC, HW)
         stored = _grid_values(saturated, u, DTYPE, STOCHASTIC)

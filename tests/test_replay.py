@@ -387,6 +387,28 @@ def test_nan_in_one_row_stays_in_its_slot(step_kernel):
         assert torch.equal(caches[0].checkpoint[row], caches[1].checkpoint[row])
         assert torch.equal(caches[0].read[row], caches[1].read[row])
 
+def test_fp32_checkpoint_keeps_inf_as_the_reference_stores_it(step_kernel):
+    """An fp32 checkpoint stores the folded values as they are (formats.quantize clones fp32):
+    an infinite state element stays infinite through a flush, not clamped to ±FLT_MAX, and the
+    other slot is untouched by it."""
+    shape = dict(batch=2, nheads=2, headdim=4, dstate=32, ngroups=1)
+    inp = make_inputs(2, *shape.values(), seed=9)
+    cache = new_cache(**shape, ring_len=2)
+    states = random_states(2, 4, 32)([0, 1])
+    states[1, 0, 2, 5] = float("inf")
+    states[1, 1, 3, 7] = float("-inf")
+    cache.reset([0, 1], states)
+    clean = new_cache(**shape, ring_len=2)
+    clean.reset([0, 1], torch.cat([states[:1], random_states(2, 4, 32)([0, 1])[1:]]))
+    for t in range(2):
+        replay_decode(cache, **step_args(inp, t), dt_softplus=True)
+        replay_decode(clean, **step_args(inp, t), dt_softplus=True)
+    assert int(cache.cursor[1]) == 0, "the second step flushed"
+    assert cache.checkpoint[1, 0, 2, 5] == float("inf") and cache.checkpoint[1, 1, 3, 7] == float("-inf")
+    assert torch.isfinite(cache.checkpoint[1, 0, :2]).all(), "rows without the inf stay finite"
+    assert torch.equal(cache.checkpoint[0], clean.checkpoint[0])
+
+
 
 def test_stale_ring_tokens_past_the_cursor_do_not_reach_outputs(step_kernel):
     """The step kernels load ring positions past the cursor (so the loads need not wait for it)
