@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import codec, exact_dot, gpu, pdl, sizes
+from .gate import gate
 from .softplus import softplus
 
 
@@ -203,12 +204,13 @@ def _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count
 
 
 @triton.jit
-def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                    HW: tl.constexpr):
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x_t
     if HAS_Z:
         z = tl.load(z_ptrs, mask=mask_p, other=0.0).to(tl.float32)
-        y = y * z / (1.0 + tl.exp(-z))
+        y = gate(y, z, HW)
     tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
 
 
@@ -288,7 +290,7 @@ def _replay_step_kernel(
             y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
             y = tl.exp(A * total) * state_C + y_ring
             _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
-                            mask_p, D_ptr, h, HAS_D, HAS_Z)
+                            mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
 
 
 @triton.jit
@@ -392,7 +394,7 @@ def _replay_step_grouped_kernel(
                     y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
                 if HAS_Z:
                     z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + rows, mask=mask_p, other=0.0).to(tl.float32)
-                    y = y * z / (1.0 + tl.exp(-z))
+                    y = gate(y, z, HW)
                 y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
                 tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
         else:
@@ -448,7 +450,7 @@ def _replay_flush_kernel(
         y = tl.sum((ring + decay * read) * C_t[None, :], axis=1)
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
         _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
-                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z)
+                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
         # Stochastic rounding: one Philox stream per (slot, flush), element position as counter.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
         stored = _store_state(decay * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,

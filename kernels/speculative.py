@@ -42,6 +42,7 @@ from . import codec, exact_dot, gpu, sizes
 from .conventional import tile_config
 from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of,
                      _store_state, flush_programs, register_cap)
+from .gate import gate
 from .softplus import softplus
 
 ERROR_NO_VERIFY = 1
@@ -175,7 +176,7 @@ def _draft_outputs(
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x_d.to(tl.float32)
     if HAS_Z:
-        y = y * z_d / (1.0 + tl.exp(-z_d))
+        y = gate(y, z_d, HW)
     y_tile = y_ptr + b * stride_y_b + ts[None, :] * stride_y_t + h * stride_y_h + rows[:, None]
     tl.store(y_tile, y.to(y_tile.dtype.element_ty), mask=tile_t)
     tl.store(ring_x_ptr + (ring_head * CAP + position[None, :]) * headdim + rows[:, None], x_d, mask=tile_t)
@@ -423,7 +424,7 @@ def _drafts_kernel(
             if HAS_Z:
                 z = tl.load(z_ptr + b * stride_z_b + i * stride_z_t + h * stride_z_h + rows, mask=mask_p,
                             other=0.0).to(tl.float32)
-                y = y * z * (1.0 / (1.0 + tl.exp(-z)))
+                y = gate(y, z, HW)
             tl.store(y_ptr + b * stride_y_b + i * stride_y_t + h * stride_y_h + rows, y.to(y_ptr.dtype.element_ty),
                      mask=mask_p)
             # The next token starts from the stored state, as T conventional steps would.
