@@ -481,14 +481,19 @@ def _replay_flush_kernel(
 
 
 # (rows of headdim, warps) of the per-head step kernel's tile, by bytes per element of the state
-# it reads. The step is bound by instruction issue (ncu on the H200: 0.84 warps issued per
-# scheduler per cycle, DRAM 25 %), so a tile is as fast as its instructions per state element:
-# with an fp8 read copy 64 rows × 2 warps took the normal step at batch 256 from 173.6 to
-# 103.3 µs (32 × 1: 122.2; 64 × 4: 182.0); with an fp32 checkpoint 32 × 2 stayed fastest (265.9
-# against 300.4 and 279.0). 16-bit read copies were not swept and keep 32 × 2. Below
-# STEP_MIN_PROGRAMS programs the tile is split down to 32 rows, so a small batch still spreads
-# over the GPU (batch 1, fp8: 6.2 µs with 64-row tiles against 5.6–5.9 with 32).
-STEP_TILE = {4: (32, 2), 2: (32, 2), 1: (64, 2)}
+# it reads. The rows were chosen when this kernel also served batch 256, where the step is bound
+# by instruction issue (ncu on the H200: 0.84 warps issued per scheduler per cycle, DRAM 25 %),
+# so a tile is as fast as its instructions per state element: with an fp8 read copy 64 rows
+# took the normal step from 173.6 to 103.3 µs (32 × 1: 122.2; 64 × 4: 182.0); with an fp32
+# checkpoint 32 rows stayed fastest (265.9 against 300.4 and 279.0). It now serves fewer than
+# GROUPED_MIN_BATCH rows, where one warp per program beat two in every case measured (H200,
+# whole flush cycles, bench/results/sweeps-2026-12-02-e.log run 3: fp8 read copy batch 1 / 16 /
+# 32 4.8 / 13.9 / 22.9 µs against 5.0 / 14.4 / 25.1, int8 5.1 / 14.8 / 24.9 against
+# 5.2 / 14.7 / 26.4, no read copy 5.9 / 31.1 / 54.4 against 6.5 / 33.3 / 57.7). 16-bit read
+# copies were not swept and keep 32 × 2. Below STEP_MIN_PROGRAMS programs the tile is split
+# down to 32 rows, so a small batch still spreads over the GPU (batch 1, fp8: 6.2 µs with
+# 64-row tiles against 5.6–5.9 with 32).
+STEP_TILE = {4: (32, 1), 2: (32, 2), 1: (64, 1)}
 STEP_MIN_PROGRAMS = 1024
 # Whether the per-head step kernel loads the state tile before the cursor arrives (True) or
 # after it, skipping it for a flushing row (False), by bytes per element of the state it reads;
