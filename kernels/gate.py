@@ -9,7 +9,7 @@ row's gate is computed by every thread that holds a piece of the row (32 of them
 flush kernel's tile), so those checks were 5 % of that kernel's loop. Under the interpreter
 (no inline assembly) it is ``/``. The conventional kernel keeps ``y · z · (1 / (1 + exp(−z)))``:
 there the inline division made its sm_90 listing longer (fp32 state: 632 → 664 instructions
-per thread), the compiler no longer moving the gate into the store's less replicated layout.
+per thread; not examined further).
 """
 
 import triton

@@ -411,7 +411,8 @@ def _replay_flush_kernel(
     ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
     cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
     stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b, stride_y_h,
-    batch, num_slots, nheads, headdim, dstate, heads_per_group,
+    batch, num_slots, headdim, dstate,
+    NHEADS: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     L: tl.constexpr,
     CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
     CK_EMAX: tl.constexpr,
@@ -423,25 +424,29 @@ def _replay_flush_kernel(
 ):
     pdl.grid_dependency(PDL)
     pid = tl.program_id(0)
-    h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(1), heads_per_group, headdim, dstate,
-                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     programs = tl.num_programs(0)
-    mask = mask_p[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + h).to(tl.float32)
+    columns = NHEADS * NUM_P_TILES
     count = tl.load(flush_counters_ptr)
-    for r in tl.range(pid, count, programs, num_stages=LOOP_STAGES):
+    # One work item per (listed row, head, P-tile), the column fastest, dealt round-robin: any
+    # grid size then gives every program the same work to within one item.
+    for item in tl.range(pid, count * columns, programs, num_stages=LOOP_STAGES):
+        r = item // columns
+        h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(item % columns, HEADS_PER_GROUP, headdim, dstate,
+                                                              NUM_P_TILES, BLOCK_P, BLOCK_N)
+        mask = mask_p[:, None] & mask_n[None, :]
+        A = tl.load(A_ptr + h).to(tl.float32)
         b = tl.load(flush_rows_ptr + r)
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
-        ring_head = slot.to(tl.int64) * nheads + h
-        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+        ring_head = slot.to(tl.int64) * NHEADS + h
+        ring_group = slot.to(tl.int64) * (NHEADS // HEADS_PER_GROUP) + g
         # The fold before the state loads: loaded first, the state tiles held their registers
         # through the product (flush step 1221 µs against 928 on the H200).
         ring, total = _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L, A, rows, cols, mask_p,
                                  mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N)
-        checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+        checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, NHEADS, headdim, dstate,
                                  CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
         if HAS_READ:
-            read = _load_state(read_ptr, read_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+            read = _load_state(read_ptr, read_scale_ptr, slot, h, rows, cols, mask, NHEADS, headdim, dstate,
                                RD_DTYPE, RD_GRAN, HW, BLOCK_P, BLOCK_N)
         else:
             read = checkpoint
@@ -454,14 +459,13 @@ def _replay_flush_kernel(
         # Stochastic rounding: one Philox stream per (slot, flush), element position as counter.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
         stored = _store_state(decay * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
-                              nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
+                              NHEADS, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
         if HAS_READ:
             _store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
-                         nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
+                         NHEADS, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
     # Every row's cursor moves on by one token (to 0 after a flush); the step kernel of this
     # call has finished, so no program reads a cursor while it changes.
-    chunk = tl.program_id(1) * programs + pid
-    batch_rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    batch_rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = batch_rows < batch
     if HAS_SLOTS:
         slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int32)
@@ -475,7 +479,7 @@ def _replay_flush_kernel(
     # cycle the one atomic per program on one address was most of this kernel's time.
     if count > 0:
         finished = tl.atomic_add(flush_counters_ptr + 1, 1)
-        if finished == programs * nheads * NUM_P_TILES - 1:
+        if finished == programs - 1:
             tl.store(flush_counters_ptr, 0)
             tl.store(flush_counters_ptr + 1, 0)
 
@@ -526,32 +530,31 @@ DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 1
 GROUPED_STAGES = 2
-# At most this many flush programs per multiprocessor, each walking the flush list for one
-# (head, P-tile): the programs per (head, P-tile) are rounded down, so the grid ends on a whole
-# wave. ncu on the H200 (batch 256, no read copy) found 4 programs resident per multiprocessor
-# (128 registers and 32 KB of shared memory each); rounded up, 9 × 256 programs made 4.36 waves
-# and the flush kernel took 733.7 µs (fp8 read copy: 924.3) against 699.6 (901.7) with 8 × 256;
-# grids of 2, 4, 16 and 33 × 256 programs took 699–704 (899–903). The kernel also runs on every
-# normal step, to move the cursors on, and there its cost grows with its programs: 4 per
-# multiprocessor (2 × 256 programs at batch 256, one wave) took whole flush cycles from 300.6 to
-# 298.0 µs (fp8 read copy 143.3 → 141.4; batch 16 with fp8 17.4 → 15.2) against 16, with the
-# flush step unchanged (737.8 against 733.8 µs); 2 per multiprocessor (one program per column,
-# half a wave) made the flush step 986.9 µs, and 32 made every case slower (graph timings of one
-# run, bench/results/sweeps-2026-12-01-c.log).
-FLUSH_PROGRAMS_PER_SM = 4
-# (rows of headdim, warps) of the flush kernel's tile: on the H200 (batch 256, flush step) 32 rows
-# and 4 warps took 887 / 1000 µs (fp32 checkpoint / + fp8 read copy) against 926 / 1093 for 16
-# rows; 64 rows or 8 warps were slower.
-FLUSH_TILE = (32, 4)
-# Software-pipeline stages of the flush kernel's loop over listed rows, by whether it writes a
-# read copy (None: the compiler's default). H200, batch 256, every row flushing (bench/README.md):
-# without a read copy 3 stages took 729 µs against 914 (2: 785); with an fp8 read copy they
-# were slower, 1359 (2: 1397) against 952.
+# The flush kernel's tile, (rows of headdim, warps), and its programs per multiprocessor, by
+# whether it writes a read copy. Its work is dealt as (listed row, head, P-tile) items over a
+# grid of that many programs per multiprocessor, set to what fits at once (registers and shared
+# memory of the tile as the H200's triton 3.6 compiles it: 149 registers × 64 threads, 6 per
+# multiprocessor; 125 × 128 threads, 4), so the grid is one wave of equal programs. H200, batch
+# 256, flush step (bench/results/sweeps-2026-12-02-e.log run 4): without a read copy 32 × 2 with
+# 6 programs took 648.9 µs against 683.6 for 32 × 4 with 4 (16 × 2 with 8: 758.4; 16 × 4 with 7:
+# 785.3; 16 × 1 with 13: 857.6; 32 × 2 with 8, more than fit: 857.7); with an fp8 read copy 32 × 4
+# with 4 took 840.3 against 926.9–1618.9 for the others (32 × 2 spilled 110 registers).
+# Before items, each program walked the list for one (head, P-tile), so programs came in
+# multiples of the 256 columns: 512, the fp8 flush step 922.9 µs and its whole cycle 140.4
+# against 135.4 with items (no read copy 297.9 against 296.5, same tile). A per-head scale's
+# whole-head tile (8 warps; not timed with items) keeps the 4 programs per multiprocessor it had
+# before. The kernel also runs on every normal step, to move the cursors on, where its cost
+# grows with its programs (16 per multiprocessor took fp8 cycles from 141.4 to 143.3 µs against
+# 4, sweeps-2026-12-01-c.log). The counts hold for the registers named above: a compiler that
+# gives a tile more registers fits fewer programs, and a grid past one wave is slower.
+FLUSH_TILE = {False: (32, 2), True: (32, 4)}
+FLUSH_PROGRAMS_PER_SM = {False: 6, True: 4}
+WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM = 4
+# Software-pipeline stages of the flush kernel's loop over items, by whether it writes a read
+# copy (None: the compiler's default). H200, batch 256, every row flushing: without a read copy
+# 3 stages took 729 µs against 914 (2: 785; bench/README.md, runs of 2026-12-01); with an fp8
+# read copy they were slower, with items 1318.8 (2: 1280.7) against 840.3 (run 4).
 FLUSH_STAGES = {False: 3, True: None}
-# Register cap of the flush kernel (None: ptxas's choice), by whether it writes a read copy.
-# H200, batch 256, every row flushing: with an fp8 read copy 128 registers took 926 µs against
-# 952 uncapped (96: 1153); without one 128 changed nothing (729.5 against 729.2).
-FLUSH_MAXNREG = {False: None, True: 128}
 
 
 def default_heads_per_program(batch: int) -> int:
@@ -650,11 +653,13 @@ def launch_replay_decode(
         )
     # A per-head scale needs the whole head in one flush tile.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_block_p = whole_p if whole_head else min(FLUSH_TILE[0], whole_p)
+    flush_tile_rows, flush_warps = FLUSH_TILE[has_read]
+    flush_block_p = whole_p if whole_head else min(flush_tile_rows, whole_p)
     flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
-    programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
-    block_r = max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs * nheads * flush_p_tiles)))
-    _replay_flush_kernel[(programs, nheads * flush_p_tiles)](
+    per_sm = WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM if whole_head else FLUSH_PROGRAMS_PER_SM[has_read]
+    programs = max(1, min(batch * nheads * flush_p_tiles, per_sm * gpu.sm_count(x.device)))
+    block_r = max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs)))
+    _replay_flush_kernel[(programs,)](
         x, A, C, D if D is not None else dummy, z_arg, slots_arg, out,
         codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
         codec.storage_view(read, read_format) if has_read else dummy,
@@ -662,7 +667,7 @@ def launch_replay_decode(
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
         x.stride(0), x.stride(1), C.stride(0), C.stride(1), z_arg.stride(0), z_arg.stride(1),
         out.stride(0), out.stride(1),
-        batch, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
+        batch, checkpoint.shape[0], headdim, dstate, NHEADS=nheads, HEADS_PER_GROUP=nheads // ngroups,
         L=L, CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
         CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
         CK_EMAX=codec.emax(checkpoint_format),
@@ -673,6 +678,6 @@ def launch_replay_decode(
         RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
         RD_EMAX=codec.emax(read_format) if has_read else 0,
         NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
-        BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=8 if whole_head else FLUSH_TILE[1],
-        **register_cap(FLUSH_MAXNREG[has_read], x.device), **common,
+        BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=8 if whole_head else flush_warps,
+        **common,
     )
