@@ -493,11 +493,11 @@ def _replay_flush_kernel(
 # GROUPED_MIN_BATCH rows, where one warp per program beat two in every case measured (H200,
 # whole flush cycles, bench/results/sweeps-2026-12-02-e.log run 3: fp8 read copy batch 1 / 16 /
 # 32 4.8 / 13.9 / 22.9 µs against 5.0 / 14.4 / 25.1, int8 5.1 / 14.8 / 24.9 against
-# 5.2 / 14.7 / 26.4, no read copy 5.9 / 31.1 / 54.4 against 6.5 / 33.3 / 57.7). 16-bit read
-# copies were not swept and keep 32 × 2. Below STEP_MIN_PROGRAMS programs the tile is split
-# down to 32 rows, so a small batch still spreads over the GPU (batch 1, fp8: 6.2 µs with
-# 64-row tiles against 5.6–5.9 with 32).
-STEP_TILE = {4: (32, 1), 2: (32, 2), 1: (64, 1)}
+# 5.2 / 14.7 / 26.4, no read copy 5.9 / 31.1 / 54.4 against 6.5 / 33.3 / 57.7; bf16 read copy,
+# run 5, batch 1 / 16: 5.0 / 16.8 against 5.2 / 18.7). Below STEP_MIN_PROGRAMS programs the
+# tile is split down to 32 rows, so a small batch still spreads over the GPU (batch 1, fp8: 6.2
+# µs with 64-row tiles against 5.6–5.9 with 32).
+STEP_TILE = {4: (32, 1), 2: (32, 1), 1: (64, 1)}
 STEP_MIN_PROGRAMS = 1024
 # Whether the per-head step kernel loads the state tile before the cursor arrives (True) or
 # after it, skipping it for a flushing row (False), by bytes per element of the state it reads;
