@@ -550,6 +550,12 @@ GROUPED_STAGES = 2
 FLUSH_TILE = {False: (32, 2), True: (32, 4)}
 FLUSH_PROGRAMS_PER_SM = {False: 6, True: 4}
 WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM = 4
+# Register caps that keep FLUSH_PROGRAMS_PER_SM resident whatever the formats and ring length
+# (65536 registers per multiprocessor: 6 × 64 threads × 168, 4 × 128 × 128): the fp32 + fp8 L16
+# kernels need less (149 and 125), but a 32-token ring, a bf16 checkpoint or a bf16 read copy
+# take 135–168 (sm_90 listings, `bench.sass_count`), and one program fewer per multiprocessor
+# makes the one-wave grid 1.33 waves.
+FLUSH_MAXNREG = {False: 168, True: 128}
 # Software-pipeline stages of the flush kernel's loop over items, by whether it writes a read
 # copy (None: the compiler's default). H200, batch 256, every row flushing: without a read copy
 # 3 stages took 729 µs against 914 (2: 785; bench/README.md, runs of 2026-12-01); with an fp8
@@ -679,5 +685,5 @@ def launch_replay_decode(
         RD_EMAX=codec.emax(read_format) if has_read else 0,
         NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
         BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=8 if whole_head else flush_warps,
-        **common,
+        **register_cap(None if whole_head else FLUSH_MAXNREG[has_read], x.device), **common,
     )
