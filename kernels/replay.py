@@ -12,9 +12,10 @@ Grouped step kernel (``launch_replay_decode(heads_per_program=k)``, ``k ≥ 1``)
 per program, with what the heads share (slot, cursor, the ring's B and ``B_j · C``) loaded or
 computed once. Which kernel runs by default: ``default_heads_per_program``.
 
-Flush kernel, grid ``(G, nheads)`` with ``G`` small (a few programs per multiprocessor, not one
-per row): each program walks the flush list for its head, folds the ring into the checkpoint
-(from the stored checkpoint, in fp32), writes the output, the new checkpoint and the read copy.
+Flush kernel, grid ``(G,)`` with ``G`` the programs that fit on the GPU at once (a few per
+multiprocessor, not one per row): the flush list's work is dealt round-robin as (row, head,
+P-tile) items; each item folds the ring into the checkpoint (from the stored checkpoint, in
+fp32) and writes the output, the new checkpoint and the read copy.
 It also advances every row's cursor, and the last program to finish clears the list, so the
 next step starts clean without the host looking.
 """
