@@ -584,13 +584,6 @@ def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
     return {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
 
 
-def flush_programs(batch: int, columns: int, per_sm: int, device: torch.device) -> int:
-    """Programs per (head, P-tile) column of a kernel that walks the flush list: at most
-    ``per_sm`` per multiprocessor over all ``columns``, rounded down (a whole number of waves
-    when the resident programs per multiprocessor divide ``per_sm``), and at most ``batch``."""
-    return max(1, min(batch, per_sm * gpu.sm_count(device) // columns))
-
-
 def launch_replay_decode(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,

@@ -41,7 +41,7 @@ import triton.language as tl
 from . import codec, exact_dot, gpu, sizes
 from .conventional import tile_config
 from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of,
-                     _store_state, flush_programs, register_cap)
+                     _store_state, register_cap)
 from .gate import gate
 from .softplus import softplus
 
@@ -51,7 +51,7 @@ ERROR_ACCEPTED_RANGE = 2
 # Programs per multiprocessor of the kernels that walk the flush list (each for one head and
 # P-tile): the fold, and the flushed rows' drafts. More (64/16, 256/64) were no faster on the H200
 # (batch 256, T = 4: fold 183–291 µs against 177–246). The fold's count is rounded down
-# (replay.flush_programs: 8 × 256 programs, fold 97.3 / 121.9 µs without / with an fp8 read
+# (flush_programs: 8 × 256 programs, fold 97.3 / 121.9 µs without / with an fp8 read
 # copy, against 98.9 / 124.2 rounded up to 9 × 256); the drafts' is rounded up (3 × 256: 88.1 µs
 # without a read copy; 2 × 256 took 146.0).
 FLUSH_PROGRAMS_PER_SM = 16
@@ -478,6 +478,13 @@ def draft_c_parts(state_fmt, c_dtype: torch.dtype, block_p: int) -> int:
     """``C_PARTS`` of the draft kernels: the bf16 parts of C for a tensor-core ``S · C_i``, or 0
     (FMA dots) for states whose codes are not exact in bf16 and tiles of fewer than 16 rows."""
     return exact_dot.input_parts(c_dtype) if _tensor_dot(state_fmt) and block_p >= 16 else 0
+
+
+def flush_programs(batch: int, columns: int, per_sm: int, device: torch.device) -> int:
+    """Programs per (head, P-tile) column of a kernel that walks the flush list: at most
+    ``per_sm`` per multiprocessor over all ``columns``, rounded down (a whole number of waves
+    when the resident programs per multiprocessor divide ``per_sm``), and at most ``batch``."""
+    return max(1, min(batch, per_sm * gpu.sm_count(device) // columns))
 
 
 def launch_replay_verify(
