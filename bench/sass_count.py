@@ -51,7 +51,9 @@ class _Recorder:
 
 
 def record(module, names):
-    """Replace ``module``'s kernels ``names`` by recorders; returns the list they append to."""
+    """Replace ``module``'s kernels ``names`` by recorders; returns the list they append to. The
+    launchers' register caps apply as on a GPU (on CPU tensors they drop them)."""
+    module.register_cap = lambda maxnreg, device: {"maxnreg": maxnreg} if maxnreg else {}
     launches = []
     for name in names:
         setattr(module, name, _Recorder(getattr(module, name), name, launches))
@@ -61,7 +63,9 @@ def record(module, names):
 def compile_sm90(kernel, args, kwargs):
     """Compile one recorded launch for sm_90 (the GPU's conversion instructions on)."""
     kwargs = dict(kwargs)
-    num_warps = kwargs.pop("num_warps", 4)
+    options = dict(num_warps=kwargs.pop("num_warps", 4))
+    if "maxnreg" in kwargs:
+        options["maxnreg"] = kwargs.pop("maxnreg")
     if "HW" in kernel.arg_names:
         kwargs["HW"] = True
     signature, constants, attrs = {}, {}, {}
@@ -86,11 +90,12 @@ def compile_sm90(kernel, args, kwargs):
         else:
             signature[name] = "fp32"
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)), num_warps
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), options["num_warps"]
 
 
 def count(compiled):
-    """(registers, instruction mnemonics) of a compiled kernel."""
+    """(registers, bytes of shared memory, bytes of local memory (spills), instruction mnemonics)
+    of a compiled kernel."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -99,7 +104,8 @@ def count(compiled):
                               text=True, check=True).stdout
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
                                capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), _INSTRUCTION.findall(sass)
+    registers, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    return registers, compiled.metadata.shared, local, _INSTRUCTION.findall(sass)
 
 
 def _bf16(*shape):
@@ -176,8 +182,9 @@ def main(argv=None) -> int:
                 "conventional": lambda: launch_conventional(args.format)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
-        registers, instructions = count(compiled)
-        line = f"{name}: grid {grid}, {num_warps} warps, {registers} registers, {len(instructions)} instructions per thread"
+        registers, shared, local, instructions = count(compiled)
+        line = (f"{name}: grid {grid}, {num_warps} warps, {registers} registers, {shared} B shared, {local} B local, "
+                f"{len(instructions)} instructions per thread")
         if "BLOCK_P" in kwargs:
             tile = kwargs["BLOCK_P"] * kwargs["BLOCK_N"]
             line += (f", tile {kwargs['BLOCK_P']} x {kwargs['BLOCK_N']}: "

@@ -399,11 +399,13 @@ def _replay_step_grouped_kernel(
                 y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
                 tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
         else:
-            # A full row's output comes from the flush kernel: only its tokens join the ring.
-            for i in range(0, HEADS_PER_PROG):
-                h = h0 + i
-                x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
-                tl.store(ring_x_ptr + ((slot.to(tl.int64) * nheads + h) * L + n) * HEADDIM + rows, x_t, mask=mask_p)
+            # A full row's output comes from the flush kernel: only its tokens join the ring, all
+            # the program's heads in one load and one store (a loop over heads made the step
+            # kernel of a flush step a chain of round trips: 27.5 µs at batch 256 on the H200).
+            mask_hp = mask_h[:, None] & mask_p[None, :]
+            x_heads = tl.load(x_ptr + b * stride_x_b + heads[:, None] * stride_x_h + rows[None, :], mask=mask_hp,
+                              other=0.0)  # [BLOCK_H, BLOCK_P]
+            tl.store(ring_x_ptr + (ring_heads[:, None] * L + n) * HEADDIM + rows[None, :], x_heads, mask=mask_hp)
 
 
 @triton.jit
