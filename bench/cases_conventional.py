@@ -9,8 +9,7 @@ from qstate import formats, profiles, reference
 from qstate.kernels import codec, codec_probe
 from qstate.kernels import conventional as kernel
 
-from . import harness
-from .harness import Case, bits, register
+from .harness import Case, bits, eager_us, graph_matches_eager, register
 
 MODELS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
 BATCHES = (1, 16, 64, 256)
@@ -153,7 +152,6 @@ def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device):
 
 def eager_overhead(device):
     """µs per eager call at batch 1 (public function, and the launcher alone), fp32 state."""
-    from .harness import eager_us
     fmt = formats.StateFormat.parse("fp32")
     b = make_inputs(MODELS[0], 1, fmt, device)
     return dict(public_us=eager_us(lambda: run_public(b, "fp32")), launcher_us=eager_us(lambda: run_launcher(b, fmt)))
@@ -254,7 +252,7 @@ def check_graph(device, batch=64, steps=8):
                 buffers["out"] = buffers["outs"][i]
                 run_public(buffers, text, seed=i)
 
-        failures += harness.graph_matches_eager(
+        failures += graph_matches_eager(
             f"conventional graph {text}", make, run,
             lambda b: dict(state=b["state"], state_scale=b["state_scale"], outputs=b["outs"]))
     return failures

@@ -53,7 +53,8 @@ class _Recorder:
 def record(module, names):
     """Replace ``module``'s kernels ``names`` by recorders; returns the list they append to. The
     launchers' register caps apply as on a GPU (on CPU tensors they drop them)."""
-    module.register_cap = lambda maxnreg, device: {"maxnreg": maxnreg} if maxnreg else {}
+    if hasattr(module, "register_cap"):
+        module.register_cap = lambda maxnreg, device: {"maxnreg": maxnreg} if maxnreg else {}
     launches = []
     for name in names:
         setattr(module, name, _Recorder(getattr(module, name), name, launches))

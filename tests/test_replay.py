@@ -387,6 +387,7 @@ def test_nan_in_one_row_stays_in_its_slot(step_kernel):
         assert torch.equal(caches[0].checkpoint[row], caches[1].checkpoint[row])
         assert torch.equal(caches[0].read[row], caches[1].read[row])
 
+
 def test_fp32_checkpoint_keeps_inf_as_the_reference_stores_it(step_kernel):
     """An fp32 checkpoint stores the folded values as they are (formats.quantize clones fp32):
     an infinite state element stays infinite through a flush, not clamped to ±FLT_MAX, and the
@@ -407,7 +408,6 @@ def test_fp32_checkpoint_keeps_inf_as_the_reference_stores_it(step_kernel):
     assert cache.checkpoint[1, 0, 2, 5] == float("inf") and cache.checkpoint[1, 1, 3, 7] == float("-inf")
     assert torch.isfinite(cache.checkpoint[1, 0, :2]).all(), "rows without the inf stay finite"
     assert torch.equal(cache.checkpoint[0], clean.checkpoint[0])
-
 
 
 def test_stale_ring_tokens_past_the_cursor_do_not_reach_outputs(step_kernel):
