@@ -62,13 +62,14 @@ def record(module, names):
 
 
 def compile_sm90(kernel, args, kwargs):
-    """Compile one recorded launch for sm_90 (the GPU's conversion instructions on)."""
+    """Compile one recorded launch for sm_90 (the GPU's conversion instructions and fused arithmetic on)."""
     kwargs = dict(kwargs)
     options = dict(num_warps=kwargs.pop("num_warps", 4))
     if "maxnreg" in kwargs:
         options["maxnreg"] = kwargs.pop("maxnreg")
-    if "HW" in kernel.arg_names:
-        kwargs["HW"] = True
+    for name in ("HW", "FUSED"):  # what a launch on a GPU passes
+        if name in kernel.arg_names:
+            kwargs[name] = True
     signature, constants, attrs = {}, {}, {}
     values = list(args) + [None] * (len(kernel.arg_names) - len(args))
     for i, name in enumerate(kernel.arg_names):
@@ -158,7 +159,7 @@ def launch_conventional(text):
     gran = codec.granularity_code(fmt)
     # The GPU's tile (on CPU tensors the launcher would pick the interpreter's).
     block_p, _, num_warps = conventional.tile_config(fmt.storage_dtype.itemsize, P, N, gran, BATCH, H,
-                                                     stochastic=fmt.stochastic)
+                                                     stochastic=fmt.stochastic, fused_dtype=codec.dtype_code(fmt))
     conventional.launch(
         codec.storage_view(q.data, fmt), q.scale, _bf16(BATCH, H, P), _bf16(BATCH, H), -torch.rand(H),
         _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H), _bf16(BATCH, H, P), torch.randn(H), None,

@@ -35,9 +35,19 @@ In-kernel functions:
 * ``scale_from_amax(amax, QMAX: constexpr, EMAX: constexpr, GRAN: constexpr) -> fp32``:
   ``clamp(amax / QMAX, FLT_MIN, 2**(126 - EMAX))``; for block32 the MX rule
   ``2**clamp(floor(log2(amax)) - EMAX, -126, 126 - EMAX)``.
+* ``scale_from_amax_fused(amax, QMAX, EMAX) -> (scale, reciprocal, unclamped)``: row/head
+  scales of ``scale_from_amax`` with ``amax · RN(1/QMAX)`` for the quotient (within an ulp of
+  it), an approximate ``1/scale`` (for ``encode_product``), and whether the scale lies below
+  the upper clamp (False for inf and NaN): then every ``|v| ≤ amax`` has ``|v·recip|`` round
+  to at most QMAX, so no saturation is needed.
 * ``saturate(v, QMAX: constexpr) -> fp32``: clamp to ``[-QMAX, QMAX]`` (before rounding).
 * ``encode_saturating(v, u, QMAX, DTYPE, STOCHASTIC, HW)``: ``encode(saturate(v))``, the
   clamp left to the GPU's satfinite e4m3 cast where that is the encoder.
+* ``encode_product(v, recip, u, QMAX, DTYPE, STOCHASTIC, HW, SATURATE)``: codes of
+  ``saturate(v·recip)`` (``SATURATE``; else of ``v·recip``, for callers that know it is in
+  range) with the product rounded once (int8: to an integer inside one FMA), not the quotient
+  ``divide_rn`` gives: a code can differ where the quotient lies within an ulp of a rounding
+  boundary. For kernels allowed to differ from the references in last bits (``FUSED``).
 * ``round_rne(v, DTYPE) -> fp32``: nearest-even grid value of ``v`` (exact arithmetic).
 * ``round_sr(v, u, DTYPE) -> fp32``: ``floor(v / step + u) * step`` (exact arithmetic).
 * ``grid_to_codes(g, DTYPE, HW)``: grid values → storage codes (no rounding happens).
@@ -161,6 +171,15 @@ def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.const
 
 
 @triton.jit
+def scale_from_amax_fused(amax, QMAX: tl.constexpr, EMAX: tl.constexpr):
+    s = amax * (1.0 / QMAX)
+    largest = _pow2(tl.full(amax.shape, 126 - EMAX, tl.int32))
+    unclamped = s <= largest
+    s = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), largest)
+    return s, 1.0 / s, unclamped
+
+
+@triton.jit
 def saturate(v, QMAX: tl.constexpr):
     return tl.minimum(tl.maximum(v, -QMAX), QMAX)
 
@@ -176,6 +195,23 @@ def encode_saturating(v, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC:
         codes = encode(v, u, DTYPE, STOCHASTIC, HW)
     else:
         codes = encode(saturate(v, QMAX), u, DTYPE, STOCHASTIC, HW)
+    return codes
+
+
+@triton.jit
+def encode_product(v, recip, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   HW: tl.constexpr, SATURATE: tl.constexpr):
+    if DTYPE == 5 and not STOCHASTIC:
+        # 1.5·2**23 added inside the FMA rounds v·recip to an integer (nearest-even); the clamp
+        # on the shifted value is the saturation (max/min return the number for a NaN: −QMAX).
+        shifted = tl.fma(v, recip, tl.full(v.shape, 12582912.0, tl.float32))
+        if SATURATE:
+            shifted = tl.minimum(tl.maximum(shifted, 12582912.0 - QMAX), 12582912.0 + QMAX)
+        codes = (shifted.to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+    elif SATURATE:
+        codes = encode_saturating(v * recip, u, QMAX, DTYPE, STOCHASTIC, HW)
+    else:
+        codes = encode(v * recip, u, DTYPE, STOCHASTIC, HW)
     return codes
 
 

@@ -106,17 +106,21 @@ def _update_head(
     tile_mask, scale_mask, block_mask,
     s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
-    EMAX: tl.constexpr, HW: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
     NB: tl.constexpr = BLOCK_N // 32
+    # FUSED row and head scales: the old scale joins the decay in one factor per row (one
+    # rounding fewer than the references' order, kernels/README.md).
+    FOLD_SCALE: tl.constexpr = FUSED and (GRAN == 1 or GRAN == 2)
     values = codec.decode(codes, DTYPE, HW)  # [BLOCK_P, BLOCK_N]
-    if GRAN == 1 or GRAN == 2:
-        values = values * old_scale[:, None]
-    elif GRAN == 3:
-        values = values * tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+    if not FOLD_SCALE:
+        if GRAN == 1 or GRAN == 2:
+            values = values * old_scale[:, None]
+        elif GRAN == 3:
+            values = values * tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
 
     dt = dt.to(tl.float32)
     if HAS_BIAS:
@@ -126,7 +130,10 @@ def _update_head(
     decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
     x = x.to(tl.float32)
 
-    new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
+    if FOLD_SCALE:
+        new_state = values * (decay * old_scale)[:, None] + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
+    else:
+        new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
 
     y = tl.sum(new_state * C[None, :], axis=1)  # [BLOCK_P]
     if HAS_D:
@@ -155,21 +162,47 @@ def _update_head(
         codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
     else:
         magnitude = tl.abs(new_state)
-        if GRAN == 1:
-            scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
-            _store(scale_base + rows * s_scale_row, scale, scale_mask)
-            scale_tile = scale[:, None]
-        elif GRAN == 2:
-            scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
-            tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale, mask=_and(scale_mask, rows == 0))
-            scale_tile = scale
+        if FUSED and GRAN != 3:
+            if GRAN == 1:
+                amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
+            else:
+                amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+            scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
+            if GRAN == 1:
+                _store(scale_base + rows * s_scale_row, scale, scale_mask)
+                recip = recip[:, None]
+            else:
+                tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
+                         mask=_and(scale_mask, rows == 0))
+            if DTYPE == 5 and not STOCHASTIC:
+                # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile
+                # whose scales are all unclamped skips the per-element saturation.
+                if GRAN == 1:
+                    unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
+                if unclamped:
+                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, False)
+                else:
+                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
+            else:
+                codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
         else:
-            scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX, GRAN)
-            block_ids = tl.arange(0, NB)
-            _store(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], scale, block_mask)
-            scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
-        scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
-        codes = codec.encode_saturating(scaled, u, QMAX, DTYPE, STOCHASTIC, HW)
+            if GRAN == 1:
+                scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
+                _store(scale_base + rows * s_scale_row, scale, scale_mask)
+                scale_tile = scale[:, None]
+            elif GRAN == 2:
+                scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
+                tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
+                         mask=_and(scale_mask, rows == 0))
+                scale_tile = scale
+            else:
+                scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX,
+                                              GRAN)
+                block_ids = tl.arange(0, NB)
+                _store(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], scale, block_mask)
+                scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+            scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
+            codes = codec.encode_saturating(scaled, u, QMAX, DTYPE, STOCHASTIC, HW)
     state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
     _store(state_tile, codes, tile_mask)
 
@@ -184,7 +217,7 @@ def _conventional_kernel(
     s_x_batch, s_x_head, s_dt_batch, s_dt_head, s_B_batch, s_B_group, s_C_batch, s_C_group,
     s_z_batch, s_z_head, s_out_batch, s_out_head,
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
-    EMAX: tl.constexpr, HW: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -248,7 +281,7 @@ def _conventional_kernel(
                     slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
                     tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
                     s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
-                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
+                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, FUSED, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
                     SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
         else:
             codes, old_scale, dt, x, z = _load_head(
@@ -271,7 +304,7 @@ def _conventional_kernel(
                     slot, head0 + i, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
                     tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
                     s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
-                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
+                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, FUSED, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
                     SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
                 codes, old_scale, dt, x, z = next_codes, next_scale, next_dt, next_x, next_z
 
@@ -326,13 +359,28 @@ DEFAULT_VARIANTS = {
 # 598.7, with 8 589.1.
 _TILE_ROWS = {4: (16, 2), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
+# Row scales of the FUSED path (the GPU's), by (dtype code, stochastic): with fewer
+# instructions per element the 8-bit kernel gains from more elements per thread (amortizing a
+# program's fixed work) where registers allow. Batch 256 (bench/README.md, run of the fused
+# path): fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at 32 × 128 with 2 and 224 at
+# 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232); int8:row (whose int8 → fp32
+# conversions and packing take more registers) 239–249 at 16 × 128 with 1 warp against 262 at
+# 32 × 128 with 2 and 275 at 32 × 128 with 1; with +sr, 16 × 128 with 2 warps took int8:row+sr
+# 504 µs and fp8_e4m3:row+sr 580 against 522 and 598 at 32 × 128 with 4.
+_TILE_ROWS_FUSED_ROW = {
+    (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
+    (codec.INT8, True): (16, 2), (codec.FP8_E4M3, True): (16, 2),
+}
 
 
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
-                on_gpu: bool = True, stochastic: bool = False):
-    """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element."""
+                on_gpu: bool = True, stochastic: bool = False, fused_dtype=None):
+    """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element;
+    ``fused_dtype``: the dtype code of a launch of the FUSED path (None: another kernel or path)."""
     block_n = max(32, sizes.next_power_of_2(dstate))
     rows, warps = (_TILE_ROWS_SR if stochastic else _TILE_ROWS)[element_bytes]
+    if (fused_dtype, stochastic) in _TILE_ROWS_FUSED_ROW and granularity == codec.GRAN_ROW:
+        rows, warps = _TILE_ROWS_FUSED_ROW[(fused_dtype, stochastic)]
     if granularity == codec.GRAN_HEAD:
         block_p = sizes.next_power_of_2(headdim)
         return block_p, block_n, (8 if block_p * block_n >= 8192 else 4)
@@ -350,6 +398,7 @@ def launch(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
     dt_softplus: bool, pad_slot_id: int, heads_per_group: int, block_p=None, num_warps=None, variant=None,
+    fused=None,
 ):
     """Launch the kernel on validated compact arguments.
 
@@ -362,8 +411,9 @@ def launch(
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
+    fused = state.device.type == "cuda" if fused is None else fused
     config_p, block_n, warps = tile_config(state.element_size(), headdim, dstate, granularity, batch, nheads,
-                                          state.device.type == "cuda", stochastic)
+                                          state.device.type == "cuda", stochastic, dtype_code if fused else None)
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
@@ -389,7 +439,7 @@ def launch(
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, out.stride(0), out.stride(1),
         DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
-        HW=codec.hardware_casts(state.device), HAS_D=D is not None, HAS_Z=z is not None,
+        HW=codec.hardware_casts(state.device), FUSED=fused, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_BIAS=dt_bias is not None, HAS_SLOTS=slot_indices is not None, DT_SOFTPLUS=dt_softplus,
         SEED_FROM_PTR=seed_tensor is not None, OUT_DTYPE=out_code, BLOCK_P=block_p, BLOCK_N=block_n,
         EVEN=even, HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
