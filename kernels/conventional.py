@@ -7,7 +7,9 @@ Grid ``(cdiv(headdim, BLOCK_P), nheads, batch)``.
 
 Per tile: load codes and scales, dequantize (``code · scale``), update in fp32
 (``a·S + (dt·x) ⊗ B``, the references' order), output from the unrounded state, re-quantize
-with :mod:`.codec` and store codes and scales in place. A row whose slot index is negative or
+with :mod:`.codec` and store codes and scales in place. ``FUSED`` (the GPU's default) reorders
+row and head scales' arithmetic for fewer instructions, within an ulp of that order
+(kernels/README.md). A row whose slot index is negative or
 ``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
 for CPU tensors) outputs NaN and touches no slot.
 """
@@ -361,12 +363,13 @@ _TILE_ROWS = {4: (16, 2), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 # Row scales of the FUSED path (the GPU's), by (dtype code, stochastic): with fewer
 # instructions per element the 8-bit kernel gains from more elements per thread (amortizing a
-# program's fixed work) where registers allow. Batch 256 (bench/README.md, run of the fused
-# path): fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at 32 × 128 with 2 and 224 at
-# 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232); int8:row (whose int8 → fp32
-# conversions and packing take more registers) 239–249 at 16 × 128 with 1 warp against 262 at
-# 32 × 128 with 2 and 275 at 32 × 128 with 1; with +sr, 16 × 128 with 2 warps took int8:row+sr
-# 504 µs and fp8_e4m3:row+sr 580 against 522 and 598 at 32 × 128 with 4.
+# program's fixed work) where registers allow. Batch 256 (bench/README.md, run of d0ed298, and
+# sweeps-2026-12-02-g.log): fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at
+# 32 × 128 with 2 and 212–224 at 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232);
+# int8:row (whose int8 → fp32 conversions and packing take more registers) 239–249 at 16 × 128
+# with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; with +sr, 16 × 128
+# with 2 warps took int8:row+sr 504 µs and fp8_e4m3:row+sr 580 against 522 and 598 at 32 × 128
+# with 4.
 _TILE_ROWS_FUSED_ROW = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
     (codec.INT8, True): (16, 2), (codec.FP8_E4M3, True): (16, 2),
@@ -408,6 +411,7 @@ def launch(
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
     ``variant``: a :class:`Variant` (default ``DEFAULT_VARIANTS[(state.element_size(), stochastic)]``).
+    ``fused``: the fused arithmetic of row and head scales (default: on a GPU only).
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
