@@ -140,7 +140,7 @@ def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device):
     prof = profiles.get(model)
     config_p, _, config_warps = kernel.tile_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate,
                                                    codec.granularity_code(fmt), batch, prof.nheads,
-                                                   stochastic=fmt.stochastic, fused_dtype=codec.dtype_code(fmt))
+                                                   stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
     block_p, num_warps = block_p or config_p, num_warps or config_warps
     nbytes = _bytes_moved(fmt, batch, prof.nheads, prof.headdim, prof.dstate, prof.ngroups, 2)
     params = dict(model=model, batch=batch, format=f"{text} [{tag}]", inputs="bf16", variant=tag, block_p=block_p,

@@ -159,7 +159,7 @@ def launch_conventional(text):
     gran = codec.granularity_code(fmt)
     # The GPU's tile (on CPU tensors the launcher would pick the interpreter's).
     block_p, _, num_warps = conventional.tile_config(fmt.storage_dtype.itemsize, P, N, gran, BATCH, H,
-                                                     stochastic=fmt.stochastic, fused_dtype=codec.dtype_code(fmt))
+                                                     stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
     conventional.launch(
         codec.storage_view(q.data, fmt), q.scale, _bf16(BATCH, H, P), _bf16(BATCH, H), -torch.rand(H),
         _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H), _bf16(BATCH, H, P), torch.randn(H), None,

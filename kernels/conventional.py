@@ -361,29 +361,35 @@ DEFAULT_VARIANTS = {
 # 598.7, with 8 589.1.
 _TILE_ROWS = {4: (16, 2), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
-# Row scales of the FUSED path (the GPU's), by (dtype code, stochastic): with fewer
-# instructions per element the 8-bit kernel gains from more elements per thread (amortizing a
-# program's fixed work) where registers allow. Batch 256 (bench/README.md, run of d0ed298, and
+# The GPU launches of this kernel, by (dtype code, stochastic), for unscaled and row-scaled
+# formats (block32 and head scales, the interpreter and the drafts kernel take the tables
+# above). With fewer instructions per element the fused 8-bit path gains from more elements
+# per thread (amortizing a program's fixed work) where registers allow, and one-warp programs
+# suit the 16- and 32-bit states too. Batch 256 (bench/README.md, run of d0ed298, and
 # sweeps-2026-12-02-g.log): fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at
 # 32 × 128 with 2 and 212–224 at 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232);
 # int8:row (whose int8 → fp32 conversions and packing take more registers) 239–249 at 16 × 128
-# with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; with +sr, 16 × 128
-# with 2 warps took int8:row+sr 504 µs and fp8_e4m3:row+sr 580 against 522 and 598 at 32 × 128
-# with 4.
-_TILE_ROWS_FUSED_ROW = {
+# with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; fp32 524 at 16 × 128
+# with 1 warp against 545–550 with 2; fp16 / bf16 307 / 305–307 at 16 × 128 with 1 warp
+# against 321–326 with 2 (32 × 128 with 1: 310 / 389); with +sr, 16 × 128 with 2 warps took
+# int8:row+sr 504 µs, fp8_e4m3:row+sr 580, fp16+sr 542 and bf16+sr 633 against 522 and 598 at
+# 32 × 128 with 4 and 553 and 642 at 64 × 128 with 8.
+_TILE_ROWS_BY_DTYPE = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
     (codec.INT8, True): (16, 2), (codec.FP8_E4M3, True): (16, 2),
+    (codec.FP32, False): (16, 1), (codec.FP16, False): (16, 1), (codec.BF16, False): (16, 1),
+    (codec.FP16, True): (16, 2), (codec.BF16, True): (16, 2),
 }
 
 
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
-                on_gpu: bool = True, stochastic: bool = False, fused_dtype=None):
-    """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element;
-    ``fused_dtype``: the dtype code of a launch of the FUSED path (None: another kernel or path)."""
+                on_gpu: bool = True, stochastic: bool = False, dtype=None):
+    """(BLOCK_P, BLOCK_N, num_warps) for a state of ``element_bytes`` per element; ``dtype``:
+    the format's dtype code for this kernel's GPU launches (None: the tables by bytes)."""
     block_n = max(32, sizes.next_power_of_2(dstate))
     rows, warps = (_TILE_ROWS_SR if stochastic else _TILE_ROWS)[element_bytes]
-    if (fused_dtype, stochastic) in _TILE_ROWS_FUSED_ROW and granularity == codec.GRAN_ROW:
-        rows, warps = _TILE_ROWS_FUSED_ROW[(fused_dtype, stochastic)]
+    if (dtype, stochastic) in _TILE_ROWS_BY_DTYPE and granularity in (codec.GRAN_NONE, codec.GRAN_ROW):
+        rows, warps = _TILE_ROWS_BY_DTYPE[(dtype, stochastic)]
     if granularity == codec.GRAN_HEAD:
         block_p = sizes.next_power_of_2(headdim)
         return block_p, block_n, (8 if block_p * block_n >= 8192 else 4)
@@ -415,9 +421,10 @@ def launch(
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
-    fused = state.device.type == "cuda" if fused is None else fused
+    on_gpu = state.device.type == "cuda"
+    fused = on_gpu if fused is None else fused
     config_p, block_n, warps = tile_config(state.element_size(), headdim, dstate, granularity, batch, nheads,
-                                          state.device.type == "cuda", stochastic, dtype_code if fused else None)
+                                          on_gpu, stochastic, dtype_code if on_gpu else None)
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
