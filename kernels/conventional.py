@@ -101,36 +101,6 @@ def _load_head(
 
 
 @triton.jit
-def _requantize_fused(new_state, magnitude, u, scale_base, rows, s_scale_row, scale_mask,
-                      DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
-                      EMAX: tl.constexpr, HW: tl.constexpr):
-    """Row (GRAN 1) or head (GRAN 2) scales of the FUSED path: store the new scales and return
-    the codes of ``new_state`` [BLOCK_P, BLOCK_N] (kernels/README.md, the fused path)."""
-    if GRAN == 1:
-        amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
-    else:
-        amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-    scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
-    if GRAN == 1:
-        _store(scale_base + rows * s_scale_row, scale, scale_mask)
-        recip = recip[:, None]
-    else:
-        tl.store(scale_base + rows * 0, tl.zeros(rows.shape, tl.float32) + scale, mask=_and(scale_mask, rows == 0))
-    if DTYPE == 5 and not STOCHASTIC:
-        # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile whose
-        # scales are all unclamped skips the per-element saturation.
-        if GRAN == 1:
-            unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
-        if unclamped:
-            codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, False)
-        else:
-            codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
-    else:
-        codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
-    return codes
-
-
-@triton.jit
 def _update_head(
     codes, old_scale, dt, x, z, B, C, seed,
     state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
@@ -138,8 +108,8 @@ def _update_head(
     tile_mask, scale_mask, block_mask,
     s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
-    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
@@ -195,8 +165,28 @@ def _update_head(
     else:
         magnitude = tl.abs(new_state)
         if FUSED and GRAN != 3:
-            codes = _requantize_fused(new_state, magnitude, u, scale_base, rows, s_scale_row, scale_mask,
-                                      DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW)
+            if GRAN == 1:
+                amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
+            else:
+                amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+            scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
+            if GRAN == 1:
+                _store(scale_base + rows * s_scale_row, scale, scale_mask)
+                recip = recip[:, None]
+            else:
+                tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
+                         mask=_and(scale_mask, rows == 0))
+            if DTYPE == 5 and not STOCHASTIC:
+                # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile
+                # whose scales are all unclamped skips the per-element saturation.
+                if GRAN == 1:
+                    unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
+                if unclamped:
+                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, False)
+                else:
+                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
+            else:
+                codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
         else:
             if GRAN == 1:
                 scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
