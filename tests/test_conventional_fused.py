@@ -28,7 +28,7 @@ FUSED_FORMATS = ["int8:row", "fp8_e4m3:row", "fp8_e5m2:row", "int8:head", "fp8_e
                  "int8:row+sr", "fp8_e4m3:row+sr"]
 
 
-def _launch(state, scale, fmt, inp, slot_indices=None, seed=0, pad_slot_id=-1, fused=True):
+def _launch(state, scale, fmt, inp, slot_indices=None, seed=0, pad_slot_id=-1):
     out = torch.full_like(inp["x"], float("nan"))
     nheads, ngroups = inp["x"].shape[1], inp["B"].shape[1]
     conventional.launch(
@@ -36,7 +36,7 @@ def _launch(state, scale, fmt, inp, slot_indices=None, seed=0, pad_slot_id=-1, f
         inp["z"], None, slot_indices, out, seed, None, dtype_code=codec.dtype_code(fmt),
         granularity=codec.granularity_code(fmt), stochastic=fmt.stochastic, qmax=codec.qmax(fmt),
         emax=codec.emax(fmt), dt_softplus=False, pad_slot_id=pad_slot_id, heads_per_group=nheads // ngroups,
-        fused=fused)
+        fused=True)
     return out
 
 
