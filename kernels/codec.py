@@ -165,18 +165,21 @@ def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.const
         exponent = tl.minimum(tl.maximum(floor_log2 - EMAX, -126), 126 - EMAX)
         s = _pow2(exponent)
     else:
-        s = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-        s = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), _pow2(tl.full(amax.shape, 126 - EMAX, tl.int32)))
+        s, _ = _clamp_scale(tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), EMAX)
     return s
 
 
 @triton.jit
 def scale_from_amax_fused(amax, QMAX: tl.constexpr, EMAX: tl.constexpr):
-    s = amax * (1.0 / QMAX)
-    largest = _pow2(tl.full(amax.shape, 126 - EMAX, tl.int32))
-    unclamped = s <= largest
-    s = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), largest)
+    s, unclamped = _clamp_scale(amax * (1.0 / QMAX), EMAX)
     return s, 1.0 / s, unclamped
+
+
+@triton.jit
+def _clamp_scale(s, EMAX: tl.constexpr):
+    # (the scale clamped to [smallest normal, 2**(126 - EMAX)], whether it was under the upper bound)
+    largest = _pow2(tl.full(s.shape, 126 - EMAX, tl.int32))
+    return tl.minimum(tl.maximum(s, 1.1754943508222875e-38), largest), s <= largest
 
 
 @triton.jit

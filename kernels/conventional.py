@@ -164,6 +164,131 @@ def _update_head(
         codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
     else:
         magnitude = tl.abs(new_state)
+        if GRAN == 1:
+            amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
+        elif GRAN == 2:
+            amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+        else:
+            amax = tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2)  # [BLOCK_P, NB]
+        if FOLD_SCALE:
+            scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
+        else:
+            scale = codec.scale_from_amax(amax, QMAX, EMAX, GRAN)
+        if GRAN == 1:
+            _store(scale_base + rows * s_scale_row, scale, scale_mask)
+        elif GRAN == 2:
+            tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale, mask=_and(scale_mask, rows == 0))
+        else:
+            _store(scale_base + rows[:, None] * s_scale_row + tl.arange(0, NB)[None, :], scale, block_mask)
+        if FOLD_SCALE:
+            if GRAN == 1:
+                recip = recip[:, None]
+            if DTYPE == 5 and not STOCHASTIC:
+                # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile
+                # whose scales are all unclamped skips the per-element saturation.
+                if GRAN == 1:
+                    unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
+                if unclamped:
+                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, False)
+                else:
+                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
+            else:
+                codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
+        else:
+            if GRAN == 1:
+                scale_tile = scale[:, None]
+            elif GRAN == 2:
+                scale_tile = scale
+            else:
+                scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+            scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
+            codes = codec.encode_saturating(scaled, u, QMAX, DTYPE, STOCHASTIC, HW)
+    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
+    codes = _load(state_tile, tile_mask, 0)  # [BLOCK_P, BLOCK_N]
+    if GRAN != 0:
+        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
+    if GRAN == 1:
+        old_scale = _load(scale_base + rows * s_scale_row, scale_mask, 0.0)  # [BLOCK_P]
+    elif GRAN == 2:
+        old_scale = _load(scale_base + rows * 0, scale_mask, 0.0)  # [BLOCK_P], one value
+    elif GRAN == 3:
+        block_ids = tl.arange(0, BLOCK_N // 32)
+        old_scale = _load(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], block_mask, 0.0)  # [BLOCK_P, NB]
+    else:
+        old_scale = tl.zeros([BLOCK_P], tl.float32)
+    dt = tl.load(dt_ptr + batch_row * s_dt_batch + head * s_dt_head)
+    x = tl.load(x_ptr + batch_row * s_x_batch + head * s_x_head + rows, mask=row_mask, other=0.0)
+    if HAS_Z:
+        z = tl.load(z_ptr + batch_row * s_z_batch + head * s_z_head + rows, mask=row_mask, other=0.0)
+    else:
+        z = tl.zeros([BLOCK_P], tl.float32)
+    return codes, old_scale, dt, x, z
+
+
+@triton.jit
+def _update_head(
+    codes, old_scale, dt, x, z, B, C, seed,
+    state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+    slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
+    tile_mask, scale_mask, block_mask,
+    s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
+    DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
+    NB: tl.constexpr = BLOCK_N // 32
+    # FUSED row and head scales: the old scale joins the decay in one factor per row (one
+    # rounding fewer than the references' order, kernels/README.md).
+    FOLD_SCALE: tl.constexpr = FUSED and (GRAN == 1 or GRAN == 2)
+    values = codec.decode(codes, DTYPE, HW)  # [BLOCK_P, BLOCK_N]
+    if not FOLD_SCALE:
+        if GRAN == 1 or GRAN == 2:
+            values = values * old_scale[:, None]
+        elif GRAN == 3:
+            values = values * tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
+
+    dt = dt.to(tl.float32)
+    if HAS_BIAS:
+        dt = dt + tl.load(dt_bias_ptr + head).to(tl.float32)
+    if DT_SOFTPLUS:
+        dt = softplus(dt)
+    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
+    x = x.to(tl.float32)
+
+    if FOLD_SCALE:
+        new_state = values * (decay * old_scale)[:, None] + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
+    else:
+        new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
+
+    y = tl.sum(new_state * C[None, :], axis=1)  # [BLOCK_P]
+    if HAS_D:
+        y = y + tl.load(D_ptr + head).to(tl.float32) * x
+    if HAS_Z:
+        z = z.to(tl.float32)
+        y = y * z * (1.0 / (1.0 + tl.exp(-z)))
+    y = tl.where(live_rows, y, tl.where(is_padding, 0.0, float("nan")))
+    _store_output(out_ptr, y, batch_row, head, rows, row_mask, s_out_batch, s_out_head, OUT_DTYPE, HW)
+
+    if STOCHASTIC:
+        element_rows = (slot * nheads + head) * headdim + rows  # [BLOCK_P]
+        if SR_STREAM == 0:
+            u = codec.uniform(seed, (element_rows[:, None] * dstate + cols[None, :]).to(tl.int32))
+        else:
+            quads = tl.arange(0, BLOCK_N // 4)
+            counter = (element_rows[:, None] * ((dstate + 3) // 4) + quads[None, :]).to(tl.int32)
+            u = codec.uniform4(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
+    else:
+        u = 0.0
+    if GRAN != 0:
+        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
+    if DTYPE == 0:
+        codes = new_state
+    elif GRAN == 0:
+        codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
+    else:
+        magnitude = tl.abs(new_state)
         if FUSED and GRAN != 3:
             if GRAN == 1:
                 amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
