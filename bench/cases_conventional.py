@@ -138,10 +138,10 @@ def variant_cases(device, model=MODELS[0], batch=256):
 def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device):
     fmt = formats.StateFormat.parse(text)
     prof = profiles.get(model)
-    config_p, _, config_warps = kernel.tile_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate,
-                                                   codec.granularity_code(fmt), batch, prof.nheads,
-                                                   stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
-    block_p, num_warps = block_p or config_p, num_warps or config_warps
+    config_p, _, config_warps, config_variant = kernel.launch_config(
+        fmt.storage_dtype.itemsize, prof.headdim, prof.dstate, codec.granularity_code(fmt), batch, prof.nheads,
+        prof.nheads // prof.ngroups, stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
+    block_p, num_warps, variant = block_p or config_p, num_warps or config_warps, variant or config_variant
     nbytes = _bytes_moved(fmt, batch, prof.nheads, prof.headdim, prof.dstate, prof.ngroups, 2)
     params = dict(model=model, batch=batch, format=f"{text} [{tag}]", inputs="bf16", variant=tag, block_p=block_p,
                   num_warps=num_warps)

@@ -487,15 +487,15 @@ DEFAULT_VARIANTS = {
 _TILE_ROWS = {4: (16, 2), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 # The GPU launches of this kernel, by (dtype code, stochastic), for unscaled and row-scaled
-# formats (block32 and head scales, the interpreter and the drafts kernel take the tables
-# above). With fewer instructions per element the fused 8-bit path gains from more elements
-# per thread (amortizing a program's fixed work) where registers allow, and one-warp programs
-# suit the 16- and 32-bit states too. Batch 256 (bench/README.md, run of d0ed298, and
-# sweeps-2026-12-02-g.log): fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at
-# 32 × 128 with 2 and 212–224 at 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232);
-# int8:row (whose int8 → fp32 conversions and packing take more registers) 239–249 at 16 × 128
-# with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; fp32 524 at 16 × 128
-# with 1 warp against 545–550 with 2; fp16 / bf16 307 / 305–307 at 16 × 128 with 1 warp
+# formats (block32 and head scales, the interpreter and the drafts kernel take the tables above).
+# With fewer instructions per element the fused 8-bit path gains from more elements per thread
+# (amortizing a program's fixed work) where registers allow, and one-warp programs suit the 16-
+# and 32-bit states too. Batch 256 (bench/README.md, run of d0ed298, and sweeps-2026-12-02-g.log):
+# fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at 32 × 128 with 2 and 212–224 at
+# 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232); int8:row without prefetching
+# (PREFETCH_CONFIGS below; its int8 → fp32 conversions and packing take more registers) 239–249 at
+# 16 × 128 with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; fp32 524 at
+# 16 × 128 with 1 warp against 545–550 with 2; fp16 / bf16 307 / 305–307 at 16 × 128 with 1 warp
 # against 321–326 with 2 (32 × 128 with 1: 310 / 389); with +sr, 16 × 128 with 2 warps took
 # int8:row+sr 504 µs, fp8_e4m3:row+sr 580, fp16+sr 542 and bf16+sr 633 against 522 and 598 at
 # 32 × 128 with 4 and 553 and 642 at 64 × 128 with 8.
@@ -528,6 +528,36 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
     return block_p, block_n, warps
 
 
+# int8 row codes with round to nearest, on a GPU: 16 heads of one group per program, the next
+# head's codes, scale and inputs loaded while one head is updated (``prefetch``), in 32 × 128
+# one-warp tiles (255 registers, triton 3.6). H200, batch 256 (bench/README.md, run of 230276c,
+# and sweeps-2026-12-02-h.log): 193.2–193.9 µs against 248.6–249.6 for the 16 × 128 tile without
+# it; batch 64 54.0–54.2 against 65.5–65.6; nemotron-3-nano-30b-a3b (8 heads per group) batch 256
+# 103.7 against 125.0–127.1. 8 heads per program took 196.5–197.3, 32 × 128 with 2 warps
+# 278.9–279.0. fp8_e4m3:row is not faster so (192.1–194.0 against 188.0–189.0), nor int8 at
+# batch 16 (a 16-row tile, 4 heads: 21.4–21.8 against 18.6–18.9), so the prefetching
+# configuration applies from PREFETCH_MIN_PROGRAMS programs up (batch 64 of the 8B layer).
+PREFETCH_CONFIGS = {(codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True))}
+PREFETCH_MIN_PROGRAMS = 1024
+
+
+def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
+                  heads_per_group: int, on_gpu: bool = True, stochastic: bool = False, dtype=None):
+    """(BLOCK_P, BLOCK_N, num_warps, Variant) the launcher runs: :func:`tile_config`'s tile and
+    ``DEFAULT_VARIANTS``' variant, or a ``PREFETCH_CONFIGS`` entry where it applies."""
+    block_p, block_n, num_warps = tile_config(element_bytes, headdim, dstate, granularity, batch, nheads, on_gpu,
+                                              stochastic, dtype)
+    variant = DEFAULT_VARIANTS[(element_bytes, stochastic)]
+    prefetch = PREFETCH_CONFIGS.get((dtype, stochastic))
+    if on_gpu and prefetch is not None and granularity in (codec.GRAN_NONE, codec.GRAN_ROW):
+        rows, prefetch_warps, prefetch_variant = prefetch
+        prefetch_p = min(max(1, rows * 128 // block_n), sizes.next_power_of_2(headdim))
+        heads_per_prog = math.gcd(prefetch_variant.heads_per_prog, heads_per_group)
+        if batch * (nheads // heads_per_prog) * sizes.cdiv(headdim, prefetch_p) >= PREFETCH_MIN_PROGRAMS:
+            block_p, num_warps, variant = prefetch_p, prefetch_warps, prefetch_variant
+    return block_p, block_n, num_warps, variant
+
+
 def launch(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
@@ -541,15 +571,16 @@ def launch(
     tensor when unscaled); ``x, z, out (batch, nheads, headdim)`` with unit inner stride;
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
-    ``variant``: a :class:`Variant` (default ``DEFAULT_VARIANTS[(state.element_size(), stochastic)]``).
+    ``block_p``, ``num_warps``, ``variant``: overrides of :func:`launch_config`'s choice.
     ``fused``: the fused arithmetic of row and head scales (default: on a GPU only).
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
     on_gpu = state.device.type == "cuda"
     fused = on_gpu if fused is None else fused
-    config_p, block_n, warps = tile_config(state.element_size(), headdim, dstate, granularity, batch, nheads,
-                                          on_gpu, stochastic, dtype_code if on_gpu else None)
+    config_p, block_n, warps, config_variant = launch_config(
+        state.element_size(), headdim, dstate, granularity, batch, nheads, heads_per_group, on_gpu, stochastic,
+        dtype_code if on_gpu else None)
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
@@ -563,7 +594,7 @@ def launch(
         scale_strides = (state_scale.stride(0), state_scale.stride(1), state_scale.stride(2))
     out_code = OUT_BF16 if out.dtype == torch.bfloat16 else OUT_FP16 if out.dtype == torch.float16 else OUT_FP32
     out_view = out.view(torch.int16) if out_code == OUT_BF16 else out
-    variant = variant or DEFAULT_VARIANTS[(state.element_size(), stochastic)]
+    variant = variant or config_variant
     even = variant.even and headdim % block_p == 0 and dstate == block_n
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
     grid = (sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch)

@@ -322,6 +322,58 @@ def test_variant_padding_and_untouched_slots(use_variant, name, text):
     _check_padding_and_untouched_slots(text, nheads=8)
 
 
+def test_launch_config_prefetches_int8_rows_on_a_gpu_from_enough_programs():
+    """The GPU launch of int8 row codes with round to nearest takes PREFETCH_CONFIGS' 16-head
+    prefetching one-warp tile once its grid has PREFETCH_MIN_PROGRAMS programs; other formats,
+    smaller grids and the interpreter keep tile_config's tile and DEFAULT_VARIANTS' variant."""
+    rows, warps, variant = conventional.PREFETCH_CONFIGS[(codec.INT8, False)]
+    config = lambda text, batch, nheads=128, per_group=16, on_gpu=True: conventional.launch_config(  # noqa: E731
+        1, 64, 128, codec.granularity_code(formats.StateFormat.parse(text)), batch, nheads, per_group, on_gpu,
+        text.endswith("+sr"), codec.dtype_code(formats.StateFormat.parse(text)) if on_gpu else None)
+    assert config("int8:row", 256) == (rows, 128, warps, variant)
+    assert config("int8:row", 64) == (rows, 128, warps, variant)  # 64 rows × 8 head groups × 2 tiles = 1024
+    assert config("int8:row", 64, nheads=64, per_group=8)[3] == variant
+    for text, batch, on_gpu in (("int8:row", 32, True), ("int8:row", 256, False), ("int8:head", 256, True),
+                                ("int8:row+sr", 256, True), ("fp8_e4m3:row", 256, True)):
+        fmt = formats.StateFormat.parse(text)
+        tile = conventional.tile_config(1, 64, 128, codec.granularity_code(fmt), batch, 128, on_gpu, fmt.stochastic,
+                                        codec.dtype_code(fmt) if on_gpu else None)
+        assert config(text, batch, on_gpu=on_gpu) == tile + (conventional.DEFAULT_VARIANTS[(1, fmt.stochastic)],)
+
+
+def test_prefetch_config_steps_bit_exact_with_padding():
+    """PREFETCH_CONFIGS' int8 configuration as a GPU launches it (16 heads of a group per
+    program, the next head prefetched, 32-row one-warp tiles), forced under the interpreter: two
+    steps over padded and out-of-order slot indices equal the mirrored fp32 step's codes and
+    scales bit for bit, padded rows output zero and untouched slots keep every bit."""
+    rows, warps, variant = conventional.PREFETCH_CONFIGS[(codec.INT8, False)]
+    fmt = formats.StateFormat.parse("int8:row")
+    nslots, nheads, headdim, dstate = 5, 16, 64, 128
+    q = _stored(fmt, (nslots, nheads, headdim, dstate))
+    state, scale = q.data.clone(), q.scale.clone()
+    indices = torch.tensor([3, -1, 0], dtype=torch.int32)
+    values = formats.dequantize(q)
+    for step in range(2):
+        inp = _inputs(3, nheads, headdim, dstate, 1, seed=step)
+        out = torch.full_like(inp["x"], float("nan"))
+        conventional.launch(
+            state, scale, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], None, indices, out,
+            0, None, dtype_code=codec.INT8, granularity=codec.GRAN_ROW, stochastic=False, qmax=127.0, emax=6,
+            dt_softplus=False, pad_slot_id=-1, heads_per_group=nheads, block_p=rows, num_warps=warps, variant=variant)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        for row, slot in ((0, 3), (2, 0)):
+            one = {k: (v[row:row + 1] if k not in ("A", "D") else v) for k, v in inp.items()}
+            y_ref, S_ref = _mirror_step(values[slot:slot + 1], **one, exp=_numpy_exp)
+            expected = formats.quantize(S_ref, fmt)
+            assert torch.equal(state[slot:slot + 1], expected.data), f"step {step} slot {slot}"
+            assert torch.equal(_bits(scale[slot:slot + 1]), _bits(expected.scale)), f"step {step} slot {slot}"
+            assert _rel_rms(out[row:row + 1], y_ref) < dstate * 2**-24 * 4
+            values[slot:slot + 1] = formats.dequantize(expected)
+        for untouched in (1, 2, 4):
+            assert torch.equal(state[untouched], q.data[untouched])
+            assert torch.equal(_bits(scale[untouched]), _bits(q.scale[untouched]))
+
+
 @pytest.mark.parametrize("name", ["default", "even-hpp2-prefetch"])
 def test_out_of_range_row_outputs_nan_and_writes_nothing(name):
     """An index ≥ nslots reaches the kernel only on a GPU (no host check there): launch directly."""
