@@ -179,6 +179,60 @@ def check_codec(device):
     return failures
 
 
+def _check_shapes():
+    """(profile, batch, formats, prefetching) of the GPU check: every format at a small shape, and
+    the formats whose GPU launch changes with the grid (``kernel.PREFETCH_CONFIGS``) at a shape
+    whose launch must take that configuration."""
+    prefetch = [text for text in ALL_FORMATS
+                if (codec.dtype_code(formats.StateFormat.parse(text)), formats.StateFormat.parse(text).stochastic)
+                in kernel.PREFETCH_CONFIGS and formats.StateFormat.parse(text).granularity == "row"]
+    return [(profiles.Profile("check", 8, 64, 128, 2, 1), 4, ALL_FORMATS, False),
+            (profiles.Profile("check-prefetch", 32, 64, 128, 2, 1), 256, prefetch, True)]
+
+
+def _check_format(prof, batch, text, input_dtype, steps, device, failures, report, prefetching=False):
+    """One format of :func:`check_kernel` at ``prof``'s shape; appends to failures and report.
+    ``prefetching``: on a GPU the launch must take the format's ``PREFETCH_CONFIGS`` entry."""
+    inp = prof.sample_inputs(steps, batch, seed=3, device=device, dtype=input_dtype)
+    fmt = formats.StateFormat.parse(text)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = formats.quantize(torch.randn(batch, prof.nheads, prof.headdim, prof.dstate, device=device, generator=gen), fmt)
+    state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
+    config = kernel.launch_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate, codec.granularity_code(fmt),
+                                  batch, prof.nheads, prof.nheads // prof.ngroups, device.type == "cuda",
+                                  fmt.stochastic, codec.dtype_code(fmt) if device.type == "cuda" else None)
+    if prefetching and device.type == "cuda" and config[3] != kernel.PREFETCH_CONFIGS[(codec.dtype_code(fmt),
+                                                                                       fmt.stochastic)][2]:
+        failures.append(f"kernel {text} {prof.name}: batch {batch} does not take the prefetching launch ({config})")
+    ys = []
+    for t in range(steps):
+        out = torch.full_like(inp.x[t], float("nan"))
+        qstate.selective_state_update(state, inp.x[t], inp.dt[t], inp.A, inp.B[t], inp.C[t], inp.D, inp.z[t],
+                                      inp.dt_bias, True, state_scale=scale, state_format=text, out=out, seed=t)
+        ys.append(out.float())
+    kw = inp.kwargs()
+    kw["state0"] = formats.dequantize(q)
+    y_ref, S_ref = reference.decode_naive(**kw, fmt=fmt, generator=gen)
+    y_exact = reference.decode_exact(**kw)[0]
+    y = torch.stack(ys)
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
+    first = rel(y[0], y_ref[0])
+    first_bound = 4e-3 if input_dtype == torch.bfloat16 else 1e-5
+    differing = 0.0
+    if (fmt.scaled or fmt.dtype in ("bf16", "fp16")) and not fmt.stochastic:
+        differing = (bits(state) != bits(formats.quantize(S_ref, fmt).data)).double().mean().item()
+    err, err_ref = rel(y, y_exact), rel(y_ref, y_exact)
+    # Outputs in bf16 add one bf16 rounding (2**-9 relative) that decode_naive's fp32 lacks.
+    ok = (bool(torch.isfinite(y).all()) and first < first_bound and differing < 1e-3
+          and err <= 1.5 * err_ref + first_bound)
+    report.append(dict(format=text, shape=prof.name, batch=batch, config=f"{config[0]}x{config[1]} w{config[2]} "
+                       f"{config[3]}", inputs=str(input_dtype).replace("torch.", ""), first_step_rel=first,
+                       codes_differing=differing, err_vs_fp64=err, naive_err_vs_fp64=err_ref, ok=ok))
+    if not ok:
+        failures.append(f"kernel {text} {prof.name} {input_dtype}: first {first:.2e} differing {differing:.2e} "
+                        f"err {err:.2e} vs naive {err_ref:.2e}")
+
+
 def check_kernel(device, steps=3):
     """Kernel vs decode_naive on the GPU, every format, fp32 and bf16 inputs, T steps.
 
@@ -192,41 +246,10 @@ def check_kernel(device, steps=3):
     (other noise than the reference's). Returns (failures, rows of the report).
     """
     failures, report = [], []
-    prof = profiles.Profile("check", 8, 64, 128, 2, 1)
-    for input_dtype in (torch.float32, torch.bfloat16):
-        inp = prof.sample_inputs(steps, 4, seed=3, device=device, dtype=input_dtype)
-        for text in ALL_FORMATS:
-            fmt = formats.StateFormat.parse(text)
-            gen = torch.Generator(device=device).manual_seed(0)
-            q = formats.quantize(torch.randn(4, 8, 64, 128, device=device, generator=gen), fmt)
-            state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
-            ys = []
-            for t in range(steps):
-                out = torch.full_like(inp.x[t], float("nan"))
-                qstate.selective_state_update(state, inp.x[t], inp.dt[t], inp.A, inp.B[t], inp.C[t], inp.D, inp.z[t],
-                                              inp.dt_bias, True, state_scale=scale, state_format=text, out=out,
-                                              seed=t)
-                ys.append(out.float())
-            kw = inp.kwargs()
-            kw["state0"] = formats.dequantize(q)
-            y_ref, S_ref = reference.decode_naive(**kw, fmt=fmt, generator=gen)
-            y_exact = reference.decode_exact(**kw)[0]
-            y = torch.stack(ys)
-            rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
-            first = rel(y[0], y_ref[0])
-            first_bound = 4e-3 if input_dtype == torch.bfloat16 else 1e-5
-            differing = 0.0
-            if (fmt.scaled or fmt.dtype in ("bf16", "fp16")) and not fmt.stochastic:
-                differing = (bits(state) != bits(formats.quantize(S_ref, fmt).data)).double().mean().item()
-            err, err_ref = rel(y, y_exact), rel(y_ref, y_exact)
-            # Outputs in bf16 add one bf16 rounding (2**-9 relative) that decode_naive's fp32 lacks.
-            ok = (bool(torch.isfinite(y).all()) and first < first_bound and differing < 1e-3
-                  and err <= 1.5 * err_ref + first_bound)
-            report.append(dict(format=text, inputs=str(input_dtype).replace("torch.", ""), first_step_rel=first,
-                               codes_differing=differing, err_vs_fp64=err, naive_err_vs_fp64=err_ref, ok=ok))
-            if not ok:
-                failures.append(f"kernel {text} {input_dtype}: first {first:.2e} differing {differing:.2e} "
-                                f"err {err:.2e} vs naive {err_ref:.2e}")
+    for prof, batch, texts, prefetching in _check_shapes():
+        for input_dtype in (torch.float32, torch.bfloat16):
+            for text in texts:
+                _check_format(prof, batch, text, input_dtype, steps, device, failures, report, prefetching)
     variant_failures, variant_report = check_variants(device)
     return failures + variant_failures + check_graph(device), report + variant_report
 

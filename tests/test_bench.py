@@ -56,3 +56,23 @@ def test_traffic_check_puts_predicted_and_measured_speed_ups_side_by_side():
     assert rows[3].startswith("| `int8:row` | 2.06 | 3.88× | 300.0 | 2.00× |")
     with pytest.raises(ValueError, match="fp32 baseline"):
         traffic_check.table({traffic_check.CASES["int8:row"]: dict(us=1.0, pct_copy=1.0)})
+
+
+def test_gpu_check_covers_the_prefetching_launch():
+    """cases_conventional.check_kernel runs every format whose GPU launch depends on the grid at
+    a shape whose launch on a GPU takes kernel.PREFETCH_CONFIGS' configuration."""
+    from bench import cases_conventional
+    from qstate import formats
+    from qstate.kernels import codec, conventional
+
+    shapes = cases_conventional._check_shapes()
+    assert set(shapes[0][2]) == set(cases_conventional.ALL_FORMATS)
+    prefetching = [(prof, batch, texts) for prof, batch, texts, flag in shapes if flag]
+    assert [texts for _, _, texts in prefetching] == [["int8:row"]]
+    for prof, batch, texts in prefetching:
+        for text in texts:
+            fmt = formats.StateFormat.parse(text)
+            config = conventional.launch_config(1, prof.headdim, prof.dstate, codec.granularity_code(fmt), batch,
+                                                prof.nheads, prof.nheads // prof.ngroups, True, fmt.stochastic,
+                                                codec.dtype_code(fmt))
+            assert config[3] == conventional.PREFETCH_CONFIGS[(codec.dtype_code(fmt), fmt.stochastic)][2]
