@@ -530,7 +530,7 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
 
 # int8 row codes with round to nearest, on a GPU: 16 heads of one group per program, the next
 # head's codes, scale and inputs loaded while one head is updated (``prefetch``), in 32 × 128
-# one-warp tiles (255 registers, triton 3.6). H200, batch 256 (bench/README.md, run of 230276c,
+# one-warp tiles (255 registers, triton 3.6). H200, batch 256 (bench/README.md, run of 48e494d,
 # and sweeps-2026-12-02-h.log): 193.2–193.9 µs against 248.6–249.6 for the 16 × 128 tile without
 # it; batch 64 54.0–54.2 against 65.5–65.6; nemotron-3-nano-30b-a3b (8 heads per group) batch 256
 # 103.7 against 125.0–127.1. 8 heads per program took 196.5–197.3, 32 × 128 with 2 warps

@@ -85,7 +85,7 @@ def selective_state_update(
     position in the state) with fresh scales. On a GPU, row and head scales are computed with
     the scale's reciprocal and the old scale folded into the decay (fewer instructions), so a
     code can differ by one grid step from ``decode_naive``'s where the quotient lies within an
-    ulp of a rounding boundary (at most 4 codes in 10⁶ in the H200 check; on CPU tensors the
+    ulp of a rounding boundary (at most 7 codes in 10⁶ in the H200 check; on CPU tensors the
     codes are bit-identical). ``state_format`` None means the unscaled format of the state's
     dtype (mamba_ssm's behaviour). ``seed``: an int, a one-element device tensor
     (read by the kernel; refill it between CUDA-graph replays), or None (drawn from torch's CPU
