@@ -173,7 +173,10 @@ class ReplayGroup:
         C = s.C64[i]
         BC = (self.ring_B[:n] * C).sum(-1)  # [n, batch, heads]
         ring_y = torch.einsum("lbh,lbhp->bhp", w * BC, self.ring_x[:n])
-        ck_y = torch.matmul(self.read, C[..., None])[..., 0]  # [k, batch, heads, headdim]
+        # The token that fills the ring outputs from the fold, which starts from the checkpoint,
+        # not the read copy (decode_replay).
+        base = self.checkpoint if n == self.L else self.read
+        ck_y = torch.matmul(base, C[..., None])[..., 0]  # [k, batch, heads, headdim]
         y = _gated(decay[..., None] * ck_y + ring_y, s.Dx64[i], s.gate64[i] if s.gate64 is not None else None)
         self.decay = decay
         self.count = n

@@ -31,6 +31,7 @@ from . import harness
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)  # Nemotron-H-8B
 MODEL = "nemotron-h-8b"
 STEP_KERNELS = {"per-head": dict(heads_per_program=0), "grouped-h8": dict(heads_per_program=8),
+                "grouped-h4-prefetch": dict(heads_per_program=4, step_prefetch=True),
                 "default": dict(heads_per_program=None)}
 _CACHE_FIELDS = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B", "cursor",
                  "generation", "flush_rows", "flush_counters")
@@ -248,7 +249,7 @@ def cycle_case(batch, checkpoint, read, ring_len, kernel_name, device, *, phase=
 def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, device, *, layer=LAYER, kernel=None,
                      group="replay", label=None):
     """One step with every row normal (cursor 0: the state read, no ring tokens yet) or every row
-    flushing (cursor L − 1: checkpoint and read copy read and written, L ring tokens read)."""
+    flushing (cursor L − 1: checkpoint read, checkpoint and read copy written, L ring tokens read)."""
     probe = _probe(checkpoint, read, ring_len, layer)
     kernel = STEP_KERNELS[kernel_name] if kernel is None else kernel
     ck = _slot_state_bytes(probe.checkpoint, probe.checkpoint_scale)
@@ -258,7 +259,7 @@ def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, devi
     if which == "normal":
         cursor, per_slot = 0, rd + per_token
     else:
-        cursor, per_slot = ring_len - 1, 2 * ck + (0 if probe.read is None else 2 * rd) + (ring_len + 1) * per_token
+        cursor, per_slot = ring_len - 1, 2 * ck + (0 if probe.read is None else rd) + (ring_len + 1) * per_token
     moved = int(per_slot * batch + io_bytes(batch, **layer))
 
     def run(buffers):

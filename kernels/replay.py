@@ -496,20 +496,21 @@ def _replay_flush_kernel(
                                  mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N)
         checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, NHEADS, headdim, dstate,
                                  CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
-        if HAS_READ:
-            read = _load_state(read_ptr, read_scale_ptr, slot, h, rows, cols, mask, NHEADS, headdim, dstate,
-                               RD_DTYPE, RD_GRAN, HW, BLOCK_P, BLOCK_N)
-        else:
-            read = checkpoint
+        # The new state, unrounded: the row's output reads it (not the old read copy, which a
+        # flush never loads), and the checkpoint and read copy store it.
+        # Written twice on purpose: one tensor feeding both the output's sum and the stores took
+        # the fp8 read-copy kernel past its 128-register cap (spills: 2760 against 1856
+        # instructions per thread, bench.sass_count); both compile to the same FMA.
         decay = tl.exp(A * total)
         C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
-        y = tl.sum((ring + decay * read) * C_t[None, :], axis=1)
+        y = tl.sum((ring + decay * checkpoint) * C_t[None, :], axis=1)
+        new_state = decay * checkpoint + ring  # [BLOCK_P, BLOCK_N]
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
         _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
                         z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
         # Stochastic rounding: one Philox stream per (slot, flush), element position as counter.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
-        stored = _store_state(decay * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
+        stored = _store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
                               NHEADS, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
         if HAS_READ:
             _store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,

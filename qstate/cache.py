@@ -274,7 +274,7 @@ class ReplayCache:
 
         Counts what the kernels move (kernels/README.md, "Replay: traffic"): the state read of
         the ``ring_len − 1`` normal steps (read copy, or checkpoint, with scales), the flush
-        (read checkpoint and the read copy for the output, write both) and the ring (the reads
+        (read the checkpoint, write it and the read copy) and the ring (the reads
         of the tokens already in it, each token's append, and the flush's read of all of them).
         Decode inputs and outputs (x, dt, B, C, z, y) are not included.
         """
@@ -283,7 +283,7 @@ class ReplayCache:
         rd = ck if self.read is None else _state_bytes(self.read, self.read_scale)
         per_token = self.nheads * (self.headdim * self.ring_x.element_size() + 4) + \
             self.ngroups * self.dstate * self.ring_B.element_size()
-        flush = ck + ck + (0 if self.read is None else rd + rd)
+        flush = ck + ck + (0 if self.read is None else rd)
         normal_ring_reads = (L - 1) * (L - 2) // 2  # tokens already in the ring, steps n = 0 .. L-2
         ring = (normal_ring_reads + L + L) * per_token  # + the flush's read of L tokens + L appends
         return ((L - 1) * rd + flush + ring) / L

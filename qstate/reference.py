@@ -162,12 +162,15 @@ def decode_replay(
 
         y_t = exp(A·Λ_t)·(R_c·C_t) + Σ_j exp(A·(Λ_t − Λ_j))·dt_j·(B_j·C_t)·x_j + D·x_t
 
-    When the ring holds ``ring_len`` tokens it is folded into ``deq(S_c)`` in fp64; the result is
-    rounded to fp32, stored in ``checkpoint`` (one quantization per flush) and the read copy is
-    rebuilt from the stored checkpoint. The initial checkpoint is ``Q_ck(state0)``.
+    except the token that fills the ring (``ring_len`` tokens): it flushes, and its output comes
+    from the fold itself, ``y_t = S_t·C_t + D·x_t`` with ``S_t = exp(A·Λ_t)·deq(S_c) + Σ_j …``
+    the unrounded new state (DESIGN.md §1), i.e. the formula above with ``deq(S_c)`` in place of
+    ``R_c``: a flush reads the checkpoint instead of the read copy (§3.1). The fold is computed in
+    fp64, rounded to fp32 and stored in ``checkpoint`` (one quantization per flush), and the read
+    copy is rebuilt from the stored checkpoint. The initial checkpoint is ``Q_ck(state0)``.
 
     Error of a read copy: outputs differ from the same recurrence without a read copy by
-    ``exp(A·Λ_t)·((R_c − S_c)·C_t)`` only, so for output element p
+    ``exp(A·Λ_t)·((R_c − S_c)·C_t)`` only (nothing at a flush), so for output element p
     ``|Δy_p| ≤ exp(A·Λ_t) · Σ_n |R_c − S_c|_{p,n} · |C_t,n|`` with ``|R_c − S_c|`` at most half
     a grid step of the read format at that element (round-to-nearest) times its scale: the error
     is one quantization of the checkpoint, decayed, and does not accumulate across steps.
@@ -199,9 +202,11 @@ def decode_replay(
         ring.append(xt, process_dt(dt[t].to(f), bias, dt_softplus), _per_head(B[t].to(f), dims.nheads))
         decay, w = ring.weights(A64)
         BC = (torch.stack(ring.B) * Ct).sum(-1)  # [n, batch, nheads]
-        y = decay[..., None] * (R_c * Ct[..., None, :]).sum(-1) + torch.einsum("lbh,lbhp->bhp", w * BC, torch.stack(ring.x))
+        flush = len(ring) == ring_len
+        base = S_c if flush else R_c
+        y = decay[..., None] * (base * Ct[..., None, :]).sum(-1) + torch.einsum("lbh,lbhp->bhp", w * BC, torch.stack(ring.x))
         ys.append(_output(y, xt, D64, None if z is None else z[t].to(f)))
-        if len(ring) == ring_len:
+        if flush:
             S_c, R_c = store(ring.fold(S_c, A64))
             ring = _Ring()
     return torch.stack(ys), ring.fold(S_c, A64)

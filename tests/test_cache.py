@@ -19,17 +19,18 @@ def test_allocate_shapes_and_dtypes():
 
 
 def test_bytes_per_step_of_the_headline_layout():
-    """fp32 checkpoint + fp8_e4m3:row read copy, ring 16: 1.5 state bytes per element plus
-    the row scales, the flush's read of the old read copy and the ring (kernels/README.md)."""
+    """fp32 checkpoint + fp8_e4m3:row read copy, ring 16: 1.5 state bytes per element (DESIGN.md
+    §3.1: the flush reads the checkpoint, not the read copy) plus the row scales and the ring
+    (kernels/README.md)."""
     H, P, N, G, L = 128, 64, 128, 8, 16
     cache = ReplayCache.allocate(1, H, P, N, G, ring_len=L, device="meta")
     E = H * P * N
     read = E + H * P * 4
-    state = ((L - 1) * read + 2 * 4 * E + 2 * read) / L
+    state = ((L - 1) * read + 2 * 4 * E + read) / L
     token = H * (P * 2 + 4) + G * N * 2
     ring = ((L - 1) * (L - 2) // 2 + 2 * L) * token / L
     assert cache.bytes_per_step() == pytest.approx(state + ring)
-    assert 1.5 < state / E < 1.7
+    assert 1.5 < state / E < 1.55
 
 
 def test_reset_stores_the_checkpoint_and_its_read_copy():

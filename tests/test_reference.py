@@ -136,6 +136,20 @@ def test_read_copy_error_is_one_quantization_of_the_checkpoint(read, ring_len):
     assert worst > 0.01  # the bound is not vacuous
 
 
+@pytest.mark.parametrize("read", ["int8:row", "fp8_e4m3:row", "bf16"])
+def test_a_flushing_token_outputs_from_the_fold_not_the_read_copy(read):
+    """DESIGN.md §1 and §3.1: the token that fills the ring outputs from the unrounded new state,
+    the fold of the checkpoint, so its output is the same with or without a read copy (the
+    checkpoints do not depend on it); every other token reads the read copy."""
+    ring_len, T = 4, 13
+    inp = random_inputs(T, seed=8)
+    y_ck, _ = decode_replay(**inp, ring_len=ring_len)
+    y_rd, _ = decode_replay(**inp, ring_len=ring_len, read=read)
+    flushing = torch.arange(T) % ring_len == ring_len - 1
+    assert torch.equal(y_rd[flushing], y_ck[flushing])
+    assert ((y_rd[~flushing] - y_ck[~flushing]).abs().amax(dim=(1, 2, 3)) > 0).all()
+
+
 def test_replay_checkpoint_formats_quantize_once_per_flush():
     inp = random_inputs(12, seed=5)
     y_e, _ = decode_exact(**inp)

@@ -160,13 +160,12 @@ class Shadow:
             return
         start = self.start[s]
         (y_ref, S_ref), ts, rows = self._reference(s, start, absolute=False)
+        (y_abs, S_abs), _, _ = self._reference(s, start, absolute=True)
         if cache.read_format is not None:
-            # Magnitudes of the output sums: the read copy's values in place of the checkpoint.
+            # Magnitudes of the output sums: the read copy's values in place of the checkpoint
+            # (every token but a flushing one, which reads the fold of the checkpoint).
             read_start = dequantize(quantize(start, cache.read_format))
-        else:
-            read_start = start
-        (y_abs, _), _, _ = self._reference(s, read_start, absolute=True)
-        (_, S_abs), _, _ = self._reference(s, start, absolute=True)
+            y_abs = torch.maximum(y_abs, self._reference(s, read_start, absolute=True)[0][0])
         A = self.inp["A"].double()
         dts = torch.stack([reference.process_dt(self.inp["dt"][t, r].double(), self.inp["dt_bias"].double(), True)
                            for t, r in zip(ts, rows)])  # [n, nheads]
