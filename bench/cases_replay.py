@@ -31,7 +31,6 @@ from . import harness
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)  # Nemotron-H-8B
 MODEL = "nemotron-h-8b"
 STEP_KERNELS = {"per-head": dict(heads_per_program=0), "grouped-h8": dict(heads_per_program=8),
-                "grouped-h4-prefetch": dict(heads_per_program=4, step_prefetch=True),
                 "default": dict(heads_per_program=None)}
 _CACHE_FIELDS = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B", "cursor",
                  "generation", "flush_rows", "flush_counters")

@@ -66,23 +66,6 @@ def _process_dt(dt_ptr, dt_bias_ptr, h, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.con
 
 
 @triton.jit
-def _row_scale(scale_ptr, head, rows, mask_p, live, headdim, GRAN: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``[BLOCK_P]``: the rows' scales of a row-scaled head, its scale for a head-scaled one, else
-    ones (block32 scales are applied to the values). Rows outside ``mask_p``, and a head scale
-    when ``live`` is false, read nothing (1.0)."""
-    if GRAN == 1:
-        row_scale = tl.load(scale_ptr + head * headdim + rows, mask=mask_p, other=1.0)
-    elif GRAN == 2:
-        if live:
-            row_scale = tl.zeros([BLOCK_P], tl.float32) + tl.load(scale_ptr + head)
-        else:
-            row_scale = tl.full([BLOCK_P], 1.0, tl.float32)
-    else:
-        row_scale = tl.full([BLOCK_P], 1.0, tl.float32)
-    return row_scale
-
-
-@triton.jit
 def _load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                        DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, AS_BF16: tl.constexpr = False):
@@ -100,7 +83,12 @@ def _load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, 
         values = exact_dot.bf16_codes(codes, DTYPE, HW)
     else:
         values = codec.decode(codes, DTYPE, HW)
-    row_scale = _row_scale(scale_ptr, head, rows, rows < headdim, True, headdim, GRAN, BLOCK_P)
+    if GRAN == 1:
+        row_scale = tl.load(scale_ptr + head * headdim + rows, mask=rows < headdim, other=1.0)
+    elif GRAN == 2:
+        row_scale = tl.zeros([BLOCK_P], tl.float32) + tl.load(scale_ptr + head)
+    else:
+        row_scale = tl.full([BLOCK_P], 1.0, tl.float32)
     if GRAN == 3:
         NB: tl.constexpr = BLOCK_N // 32
         blocks = tl.arange(0, NB)
@@ -307,24 +295,6 @@ def _replay_step_kernel(
 
 
 @triton.jit
-def _load_head_inputs(state_ptr, scale_ptr, x_ptr, ring_x_ptr, slot, b, h, rows, cols, js, tile_mask, mask_p, older,
-                      live, nheads, stride_x_b, stride_x_h, L: tl.constexpr, HEADDIM: tl.constexpr,
-                      DSTATE: tl.constexpr, GRAN: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Head ``h``'s raw state codes ``[BLOCK_P, BLOCK_N]``, row scales ``[BLOCK_P]``, token x
-    ``[BLOCK_P]`` and older ring x ``[BLOCK_L, BLOCK_P]`` (input dtype), for the prefetching
-    grouped step; nothing is read where the masks (or ``live``, for a head scale) are false."""
-    tl.static_assert(GRAN != 3)
-    head = slot.to(tl.int64) * nheads + h
-    codes = tl.load(state_ptr + head * HEADDIM * DSTATE + rows[:, None] * DSTATE + cols[None, :], mask=tile_mask,
-                    other=0)
-    row_scale = _row_scale(scale_ptr, head, rows, mask_p, live, HEADDIM, GRAN, BLOCK_P)
-    x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
-    x_old = tl.load(ring_x_ptr + (head * L + js[:, None]) * HEADDIM + rows[None, :],
-                    mask=older[:, None] & mask_p[None, :], other=0.0)
-    return codes, row_scale, x_t, x_old
-
-
-@triton.jit
 def _replay_step_grouped_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
     state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
@@ -336,7 +306,7 @@ def _replay_step_grouped_kernel(
     L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -405,33 +375,17 @@ def _replay_step_grouped_kernel(
             if HAS_D:
                 D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
             tile_mask = mask_p[:, None] & mask_n[None, :]
-            if PREFETCH:
-                codes, row_scale, x_t, x_old = _load_head_inputs(
-                    state_ptr, state_scale_ptr, x_ptr, ring_x_ptr, slot, b, h0, rows, cols, js, tile_mask, mask_p,
-                    older, True, nheads, stride_x_b, stride_x_h, L, HEADDIM, DSTATE, GRAN, BLOCK_P)
-            for i in tl.range(0, HEADS_PER_PROG, num_stages=1 if PREFETCH else LOOP_STAGES):
+            for i in tl.range(0, HEADS_PER_PROG, num_stages=LOOP_STAGES):
                 h = h0 + i
                 pick = lanes == i
                 ring_head = slot.to(tl.int64) * nheads + h
-                if PREFETCH:
-                    # The next head's codes, scales, x and x ring leave before this head's arithmetic.
-                    ahead = i + 1 < HEADS_PER_PROG
-                    next_codes, next_scale, next_x, next_old = _load_head_inputs(
-                        state_ptr, state_scale_ptr, x_ptr, ring_x_ptr, slot, b, h + 1, rows, cols, js,
-                        tile_mask & ahead, mask_p & ahead, older & ahead, ahead, nheads, stride_x_b, stride_x_h, L,
-                        HEADDIM, DSTATE, GRAN, BLOCK_P)
-                    state = codec.decode(codes, DTYPE, HW)
-                else:
-                    state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
-                                                          nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
-                    x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
+                                                      nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
+                x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
                 state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
                 tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
-                if PREFETCH:
-                    x_ring = x_old.to(tl.float32)
-                else:
-                    x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
-                                     mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+                x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
+                                 mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
                 x_t = x_t.to(tl.float32)
                 x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
                 coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
@@ -444,8 +398,6 @@ def _replay_step_grouped_kernel(
                     y = gate(y, z, HW)
                 y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
                 tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
-                if PREFETCH:
-                    codes, row_scale, x_t, x_old = next_codes, next_scale, next_x, next_old
         else:
             # A full row's output comes from the flush kernel: only its tokens join the ring, all
             # the program's heads in one load and one store (a loop over heads made the step
@@ -582,9 +534,6 @@ DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 1
 GROUPED_STAGES = 2
-# Whether the grouped step loads the next head's inputs ahead instead of the pipelined loop, by
-# bytes per element of the state it reads (``step_prefetch``; not for block32 read copies).
-GROUPED_PREFETCH = {4: False, 2: False, 1: False}
 # The flush kernel's tile, (rows of headdim, warps), and its programs per multiprocessor, by
 # whether it writes a read copy. Its work is dealt as (listed row, head, P-tile) items over a
 # grid of that many programs per multiprocessor, set to what fits at once (registers and shared
@@ -643,16 +592,15 @@ def launch_replay_decode(
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
     flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
     step_block_p: Optional[int] = None, step_warps: Optional[int] = None,
-    heads_per_program: Optional[int] = None, step_stages: Optional[int] = None, step_prefetch: Optional[bool] = None,
+    heads_per_program: Optional[int] = None, step_stages: Optional[int] = None,
 ):
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
     stride in the last dimension, cache tensors contiguous; formats are ``StateFormat``s.
     ``heads_per_program`` picks the step kernel (None: :func:`default_heads_per_program`; 0: one
     head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
-    that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` / ``step_prefetch`` override
-    the step kernel's tile height, warps, and (grouped) head-loop pipeline stages and prefetching
-    (tuning)."""
+    that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
+    kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
     batch, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     L = ring_x.shape[2]
@@ -689,8 +637,6 @@ def launch_replay_decode(
             *step_args, checkpoint.shape[0], nheads,
             HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
             HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
-            PREFETCH=(GROUPED_PREFETCH[state.element_size()] if step_prefetch is None else step_prefetch)
-            and codec.granularity_code(state_fmt) != codec.GRAN_BLOCK32,
             BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
             num_warps=step_warps or GROUPED_WARPS, **step_flags,
         )

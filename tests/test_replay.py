@@ -39,13 +39,11 @@ CHECKPOINTS = ["fp32", "bf16", "bf16+sr", "fp16", "fp16+sr", "int8:row", "fp8_e4
 READS = [None, "bf16", "fp16", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head", "fp8_e4m3:block32"]
 # Step kernels: one head per program, and the grouped kernel with 2 heads per program (several
 # programs per group when a group has more heads) or up to 8 in 32-row P-tiles (several tiles
-# when headdim > 32, one whole group per program in these shapes), the last also with the next
-# head's loads issued before each head's arithmetic (``step_prefetch``).
+# when headdim > 32, one whole group per program in these shapes).
 STEP_KERNELS = {
     "per-head": dict(heads_per_program=0),
     "grouped-h2": dict(heads_per_program=2),
     "grouped-h8-p32": dict(heads_per_program=8, step_block_p=32),
-    "grouped-h8-p32-prefetch": dict(heads_per_program=8, step_block_p=32, step_prefetch=True),
 }
 
 
@@ -285,12 +283,9 @@ def test_every_checkpoint_and_read_format_over_flush_cycles(checkpoint, read):
     ("fp32", None), ("fp32", "fp8_e4m3:row"), ("fp32", "int8:row"), ("fp32", "fp8_e5m2:row"),
     ("int8:row", "fp8_e4m3:row"), ("bf16+sr", "int8:head"), ("fp8_e4m3:row", "fp8_e4m3:block32"), ("fp16", "bf16"),
 ])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_grouped_step_kernel_formats_over_flush_cycles(checkpoint, read, prefetch, monkeypatch):
-    """The grouped step kernel, two programs per group (4 heads per group, 2 per program), with
-    its head loop pipelined by the compiler or loading the next head ahead (``step_prefetch``;
-    block32 read copies keep the pipelined loop)."""
-    launch = functools.partial(replay_kernels.launch_replay_decode, heads_per_program=2, step_prefetch=prefetch)
+def test_grouped_step_kernel_formats_over_flush_cycles(checkpoint, read, monkeypatch):
+    """The grouped step kernel, two programs per group (4 heads per group, 2 per program)."""
+    launch = functools.partial(replay_kernels.launch_replay_decode, heads_per_program=2)
     monkeypatch.setattr(replay_kernels, "launch_replay_decode", launch)
     cache, shadow = _five_steps_ring_2(checkpoint, read, nheads=4, seed=4)
     assert shadow.checks == 10
