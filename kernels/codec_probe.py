@@ -1,6 +1,7 @@
 """Quantize a ``(groups, headdim, dstate)`` fp32 tensor with the in-kernel codec alone.
 
-It exists to check :mod:`qstate.kernels.codec` against :mod:`qstate.formats` bit for bit
+It exists to check :mod:`qstate.kernels.codec` (its ``encode_saturating``, the encoder the
+kernels use) against :mod:`qstate.formats` bit for bit
 (tests under the interpreter, ``bench/run_gpu.py`` on the GPU, with and without the GPU's
 conversion instructions). One program quantizes one group (head) as one tile.
 """
@@ -41,8 +42,7 @@ def _quantize_heads_kernel(
         codes = x
         values = x
     elif GRAN == 0:
-        v = codec.saturate(x, QMAX)
-        codes = codec.encode(v, u, DTYPE, STOCHASTIC, HW)
+        codes = codec.encode_saturating(x, u, QMAX, DTYPE, STOCHASTIC, HW)
         values = codec.decode(codes, DTYPE, HW)
     else:
         magnitude = tl.where(mask, tl.abs(x), 0.0)
@@ -64,8 +64,7 @@ def _quantize_heads_kernel(
             tl.store(scale_ptr + block_offsets, scale, mask=(rows[:, None] < headdim) & (block_ids[None, :] < nblocks))
             scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
         v = codec.divide_rn(x, scale_tile, codec.reciprocal_rn(scale_tile), HW)
-        v = codec.saturate(v, QMAX)
-        codes = codec.encode(v, u, DTYPE, STOCHASTIC, HW)
+        codes = codec.encode_saturating(v, u, QMAX, DTYPE, STOCHASTIC, HW)
         values = codec.decode(codes, DTYPE, HW) * scale_tile
     tl.store(codes_ptr + offsets, codes, mask=mask)
     tl.store(values_ptr + offsets, values, mask=mask)
