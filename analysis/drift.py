@@ -68,7 +68,15 @@ def _input_chunks(profile, steps, batch, heads, seed, inputs):
 
 
 def _recorded_steps(steps: int, every: int) -> list[int]:
-    return [t for t in range(1, steps + 1) if t % every == 0 or t == steps]
+    """About every ``every``-th step and the last: the k-th record (k = 1, 2, …) is at step
+    ``k·every − (k − 1) mod every``, so successive records fall on every residue modulo
+    ``every``. Every k-th step exactly would meet a replay ring of a length dividing ``every`` at
+    the same position of its cycle each time (the flushing token, whose output reads no read
+    copy), and hide the read copy's error."""
+    recorded = [k * every - (k - 1) % every for k in range(1, steps // every + 1)]
+    if not recorded or recorded[-1] != steps:
+        recorded.append(steps)
+    return recorded
 
 
 def _progress(total: int, enabled: Optional[bool]):
@@ -98,8 +106,8 @@ def simulate(
 
     ``profile``: a :class:`qstate.profiles.Profile` or its name. ``schemes``: Schemes or their
     strings (a comma-separated string works). ``heads``: None (all heads), an int k (k heads
-    spanning the decay range) or head indices. ``every``: record every ``every``-th step (and the
-    last). ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of
+    spanning the decay range) or head indices. ``every``: record about every ``every``-th step,
+    staggered over the residues modulo ``every`` (:func:`_recorded_steps`), and the last. ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of
     sampling from the profile (``batch``, ``heads`` and ``seed`` then only name the run).
     Stochastic schemes draw their noise from generators seeded with ``seed`` (one per scheme).
     """

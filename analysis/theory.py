@@ -18,7 +18,7 @@ rows; round-to-nearest ``E[step²]/12``, stochastic ``E[step²]/6``).
   median element, not the rms one, that decides: ``fp8_e4m3:row`` stalls most codes from
   ``a ≈ 0.9975``, where ``sqrt(1 − a²)`` is still 1.6 times ``sqrt(3)·r``;
 * replay read copy: one quantization of the checkpoint, decayed: ``a^k·r_read·σ_S(c)`` ``k`` steps
-  after the flush at step ``c``;
+  after the flush at step ``c`` (none at ``k = L``: that token outputs from the fold);
 * quantized checkpoint: one rounding per flush, carried: ``ε_m = a^L·ε_{m−1} + δ_m``.
 
 Output error: ``y = S·C + D·x``; an error ``e`` in the state gives ``e·C`` (``dstate`` terms), so
@@ -194,8 +194,9 @@ def predict(scheme, decay: float, steps: int, *, increment: float = 1.0, dstate:
     last = (t - 1) // L  # flushes before the output of step t
     ck = np.concatenate([[0.0], ck_var])[last]  # error variance of the checkpoint read at step t
     c = last * L
-    read = r_rd * r_rd * var[c]
     k = t - c
+    # The token that fills the ring (k = L) outputs from the fold, not the read copy.
+    read = np.where(k == L, 0.0, r_rd * r_rd * var[c])
     out = _relative_output(a ** (2 * k) * (ck + read), var[1:], dstate, D)
     state = np.sqrt(a ** (2 * k) * ck / var[1:])
     ck_fmt = scheme.checkpoint

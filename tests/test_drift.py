@@ -10,7 +10,7 @@ import torch
 
 from qstate import profiles, reference
 from qstate.analysis import drift
-from qstate.analysis.drift import simulate
+from qstate.analysis.drift import _recorded_steps, simulate
 
 TINY = profiles.Profile("tiny", 6, 16, 64, 2, 1)
 SCHEMES = ["fp32", "bf16", "fp8_e4m3:row", "int8:block32", "fp8_e4m3:row+sr", "replay/fp32/5",
@@ -95,9 +95,19 @@ def test_replay_stall_counts_unchanged_checkpoint_codes(monkeypatch):
         np.testing.assert_array_equal(result.stalled[0, r], expected, err_msg=f"step {t}")
 
 
-def test_records_every_kth_step_and_the_last():
+def test_a_read_copy_error_shows_when_the_ring_length_divides_the_record_interval():
+    """A flushing token outputs from the fold (no read copy): records aligned with the flushes
+    would show the read-copy scheme as exact as the one without a read copy."""
+    result = simulate(TINY, ["replay/fp32/16", "replay/fp32/fp8_e4m3:row/16"], 256, batch=1, every=16, seed=1)
+    no_read, read = np.nanmax(result.output_error, axis=(1, 2))
+    assert read > 100 * no_read
+
+
+def test_records_about_every_kth_step_staggered_and_the_last():
+    """Records step k·every − (k − 1) mod every, so they visit every residue modulo ``every``."""
     result = simulate(TINY, ["fp32"], 10, batch=1, every=4)
-    assert result.recorded_steps.tolist() == [4, 8, 10]
+    assert result.recorded_steps.tolist() == [4, 7, 10]
+    assert sorted(t % 16 for t in _recorded_steps(16 * 16, 16)[:16]) == list(range(16))
     assert result.output_error.shape == (1, 3, TINY.nheads)
 
 
