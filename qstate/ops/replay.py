@@ -133,7 +133,8 @@ def replay_decode(
 
     A row reads its slot's read copy (or the checkpoint without one) and ring, and appends the
     token to the ring. The row whose ring becomes full (``cache.ring_len`` tokens) flushes: the
-    ring is folded into the checkpoint in fp32 starting from the stored checkpoint, and the new
+    ring is folded into the checkpoint in fp32 starting from the stored checkpoint, its output
+    comes from that unrounded fold (it reads the checkpoint, not the read copy), and the new
     checkpoint and its read copy are written. Padding rows output zeros and write nothing.
     Slots may not repeat within a call. A NaN or inf in a row's inputs stays in that row: it
     reaches the row's outputs from then on and, at the slot's next flush, its checkpoint and
