@@ -107,8 +107,9 @@ def simulate(
     ``profile``: a :class:`qstate.profiles.Profile` or its name. ``schemes``: Schemes or their
     strings (a comma-separated string works). ``heads``: None (all heads), an int k (k heads
     spanning the decay range) or head indices. ``every``: record about every ``every``-th step,
-    staggered over the residues modulo ``every`` (:func:`_recorded_steps`), and the last. ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of
-    sampling from the profile (``batch``, ``heads`` and ``seed`` then only name the run).
+    staggered over the residues modulo ``every`` (:func:`_recorded_steps`), and the last.
+    ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of sampling
+    from the profile (``batch``, ``heads`` and ``seed`` then only name the run).
     Stochastic schemes draw their noise from generators seeded with ``seed`` (one per scheme).
     """
     profile = _profiles.get(profile)

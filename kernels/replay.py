@@ -538,7 +538,7 @@ GROUPED_STAGES = 2
 # whether it writes a read copy. Its work is dealt as (listed row, head, P-tile) items over a
 # grid of that many programs per multiprocessor, set to what fits at once (registers and shared
 # memory of the tile as the H200's triton 3.6 compiles it: 149 registers × 64 threads, 6 per
-# multiprocessor; 125 × 128 threads, 4), so the grid is one wave of equal programs. H200, batch
+# multiprocessor; 113 × 128 threads, 4), so the grid is one wave of equal programs. H200, batch
 # 256, flush step (bench/results/sweeps-2026-12-02-e.log run 4): without a read copy 32 × 2 with
 # 6 programs took 648.9 µs against 683.6 for 32 × 4 with 4 (16 × 2 with 8: 758.4; 16 × 4 with 7:
 # 785.3; 16 × 1 with 13: 857.6; 32 × 2 with 8, more than fit: 857.7); with an fp8 read copy 32 × 4
@@ -556,7 +556,8 @@ FLUSH_PROGRAMS_PER_SM = {False: 6, True: 4}
 WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM = 4
 # Register caps that keep FLUSH_PROGRAMS_PER_SM resident whatever the formats and ring length
 # (65536 registers per multiprocessor: 6 × 64 threads × 168, 4 × 128 × 128): the fp32 + fp8 L16
-# kernels need less (149 and 125), but a 32-token ring, a bf16 checkpoint or a bf16 read copy
+# kernels need less (149, and 113 since a flush loads no read copy: ncu, bench/README.md run of
+# 0628dd4), but a 32-token ring, a bf16 checkpoint or a bf16 read copy
 # take 135–168 (sm_90 listings, `bench.sass_count`), and one program fewer per multiprocessor
 # makes the one-wave grid 1.33 waves.
 FLUSH_MAXNREG = {False: 168, True: 128}

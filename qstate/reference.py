@@ -204,7 +204,8 @@ def decode_replay(
         BC = (torch.stack(ring.B) * Ct).sum(-1)  # [n, batch, nheads]
         flush = len(ring) == ring_len
         base = S_c if flush else R_c
-        y = decay[..., None] * (base * Ct[..., None, :]).sum(-1) + torch.einsum("lbh,lbhp->bhp", w * BC, torch.stack(ring.x))
+        ring_y = torch.einsum("lbh,lbhp->bhp", w * BC, torch.stack(ring.x))
+        y = decay[..., None] * (base * Ct[..., None, :]).sum(-1) + ring_y
         ys.append(_output(y, xt, D64, None if z is None else z[t].to(f)))
         if flush:
             S_c, R_c = store(ring.fold(S_c, A64))
