@@ -30,6 +30,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qstate.kernels import clear_launch_plans
+
 from . import harness
 from .run_gpu import _load_case_modules
 
@@ -71,6 +73,7 @@ def set_constant(assignment: str) -> None:
     if not hasattr(module, name):
         raise ValueError(f"--set: {module_name} has no attribute {name!r}")
     setattr(module, name, ast.literal_eval(literal.strip()))
+    clear_launch_plans()
 
 
 def main(argv=None) -> int:

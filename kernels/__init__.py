@@ -1,2 +1,11 @@
 """Triton kernels of qstate (installed as ``qstate.kernels``): ``@triton.jit`` code and one
 launcher per op. Validation lives in :mod:`qstate.ops`."""
+
+
+def clear_launch_plans() -> None:
+    """Forget the launchers' plans (tile, grid and constexprs, cached per call signature): call it
+    after changing a launcher module's tuning constant, whose value a cached plan would keep."""
+    from . import conventional, replay
+
+    conventional._plan.cache_clear()
+    replay._plan.cache_clear()

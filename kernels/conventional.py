@@ -17,6 +17,7 @@ for CPU tensors) outputs NaN and touches no slot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -558,6 +559,48 @@ def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: in
     return block_p, block_n, num_warps, variant
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a launch takes besides the tensors and their strides: the grid and the constexprs."""
+
+    grid: tuple
+    constexprs: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device, dtype_code, granularity,
+          stochastic, qmax, emax, dt_softplus, out_code, has_d, has_z, has_bias, has_slots, has_seed_tensor,
+          block_p, num_warps, variant, fused) -> _Plan:
+    """Tile, variant, grid and constexprs of a launch: a function of the call's metadata, so an
+    eager caller computes it once per signature."""
+    on_gpu = device.type == "cuda"
+    fused = on_gpu if fused is None else fused
+    config_p, block_n, warps, config_variant = launch_config(
+        element_bytes, headdim, dstate, granularity, batch, nheads, heads_per_group, on_gpu, stochastic,
+        dtype_code if on_gpu else None)
+    block_p = block_p or config_p
+    if granularity == codec.GRAN_HEAD:
+        # One scale per head: a tile must hold the whole head whatever a caller asks for (a
+        # 16-row override gave wrong codes on the H200, run 86f85bd).
+        block_p = max(block_p, sizes.next_power_of_2(headdim))
+    variant = variant or config_variant
+    heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
+    use_pdl = pdl.enabled(device)
+    constexprs = dict(
+        DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
+        HW=codec.hardware_casts(device), FUSED=fused, HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_bias,
+        HAS_SLOTS=has_slots, DT_SOFTPLUS=dt_softplus, SEED_FROM_PTR=has_seed_tensor, OUT_DTYPE=out_code,
+        BLOCK_P=block_p, BLOCK_N=block_n, EVEN=variant.even and headdim % block_p == 0 and dstate == block_n,
+        HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
+        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, PDL=use_pdl, num_warps=num_warps or warps,
+        **pdl.launch_options(use_pdl),
+    )
+    return _Plan((sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch), constexprs)
+
+
+_OUT_CODES = {torch.bfloat16: OUT_BF16, torch.float16: OUT_FP16}
+
+
 def launch(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
@@ -576,40 +619,27 @@ def launch(
     """
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
-    on_gpu = state.device.type == "cuda"
-    fused = on_gpu if fused is None else fused
-    config_p, block_n, warps, config_variant = launch_config(
-        state.element_size(), headdim, dstate, granularity, batch, nheads, heads_per_group, on_gpu, stochastic,
-        dtype_code if on_gpu else None)
-    block_p = block_p or config_p
+    out_code = _OUT_CODES.get(out.dtype, OUT_FP32)
+    plan = _plan(state.element_size(), nheads, headdim, dstate, batch, heads_per_group, state.device, dtype_code,
+                 granularity, stochastic, qmax, emax, dt_softplus, out_code, D is not None, z is not None,
+                 dt_bias is not None, slot_indices is not None, seed_tensor is not None, block_p, num_warps, variant,
+                 fused)
+    state_strides = state.stride()
     if granularity == codec.GRAN_HEAD:
-        # One scale per head: a tile must hold the whole head whatever a caller asks for (a
-        # 16-row override gave wrong codes on the H200, run 86f85bd).
-        block_p = max(block_p, sizes.next_power_of_2(headdim))
-    num_warps = num_warps or warps
-    scale_strides = (0, 0, 0)
-    if granularity == codec.GRAN_HEAD:
-        scale_strides = (state_scale.stride(0), state_scale.stride(1), 0)
+        scale_strides = (*state_scale.stride()[:2], 0)
     elif granularity != codec.GRAN_NONE:
-        scale_strides = (state_scale.stride(0), state_scale.stride(1), state_scale.stride(2))
-    out_code = OUT_BF16 if out.dtype == torch.bfloat16 else OUT_FP16 if out.dtype == torch.float16 else OUT_FP32
-    out_view = out.view(torch.int16) if out_code == OUT_BF16 else out
-    variant = variant or config_variant
-    even = variant.even and headdim % block_p == 0 and dstate == block_n
-    heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)
-    grid = (sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch)
-    use_pdl = pdl.enabled(state.device)
-    _conventional_kernel[grid](
-        state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out_view, seed_tensor, seed,
+        scale_strides = state_scale.stride()[:3]
+    else:
+        scale_strides = (0, 0, 0)
+    x_strides, dt_strides, B_strides, C_strides = x.stride(), dt.stride(), B.stride(), C.stride()
+    z_strides = z.stride() if z is not None else (0, 0)
+    out_strides = out.stride()
+    _conventional_kernel[plan.grid](
+        state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices,
+        out.view(torch.int16) if out_code == OUT_BF16 else out, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,
-        state.stride(0), state.stride(1), state.stride(2), *scale_strides,
-        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, out.stride(0), out.stride(1),
-        DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
-        HW=codec.hardware_casts(state.device), FUSED=fused, HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_BIAS=dt_bias is not None, HAS_SLOTS=slot_indices is not None, DT_SOFTPLUS=dt_softplus,
-        SEED_FROM_PTR=seed_tensor is not None, OUT_DTYPE=out_code, BLOCK_P=block_p, BLOCK_N=block_n,
-        EVEN=even, HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
-        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, PDL=use_pdl, num_warps=num_warps,
-        **pdl.launch_options(use_pdl),
+        state_strides[0], state_strides[1], state_strides[2], *scale_strides,
+        x_strides[0], x_strides[1], dt_strides[0], dt_strides[1], B_strides[0], B_strides[1], C_strides[0],
+        C_strides[1], z_strides[0], z_strides[1], out_strides[0], out_strides[1],
+        **plan.constexprs,
     )

@@ -22,6 +22,8 @@ next step starts clean without the host looking.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -588,6 +590,80 @@ def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
     return {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a replay step's two launches take besides the tensors and the input strides."""
+
+    grouped: bool
+    step_grid: tuple
+    step_constexprs: dict
+    flush_grid: tuple
+    flush_constexprs: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, checkpoint_format, read_format,
+          has_d, has_z, has_bias, has_slots, dt_softplus, step_block_p, step_warps, heads_per_program,
+          step_stages) -> _Plan:
+    """Kernels, tiles, grids and constexprs of a replay step: a function of the call's metadata,
+    so an eager caller computes it once per signature."""
+    hw = codec.hardware_casts(device)
+    has_read = read_format is not None
+    state_fmt = read_format if has_read else checkpoint_format
+    block_n = max(32, sizes.next_power_of_2(dstate))
+    block_l = max(2, sizes.next_power_of_2(L))
+    whole_p = sizes.next_power_of_2(headdim)  # a tile over the whole head
+    use_pdl = pdl.enabled(device)
+    common = dict(HAS_D=has_d, HAS_Z=has_z, HAS_SLOTS=has_slots, HW=hw, PDL=use_pdl, **pdl.launch_options(use_pdl))
+    step = dict(L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
+                HAS_BIAS=has_bias, SOFTPLUS=dt_softplus, BLOCK_L=block_l, **common)
+    heads_per_group = nheads // ngroups
+    if heads_per_program is None:
+        heads_per_program = default_heads_per_program(batch)
+    if heads_per_program:
+        per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
+        block_p = step_block_p or whole_p
+        num_p_tiles = sizes.cdiv(headdim, block_p)
+        step_grid = (nheads // per_program * num_p_tiles, batch)
+        step.update(HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
+                    HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
+                    BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
+                    num_warps=step_warps or GROUPED_WARPS)
+    else:
+        tile_rows, tile_warps = STEP_TILE[state_bytes]
+        block_p = min(whole_p, tile_rows)
+        while block_p > 32 and batch * nheads * sizes.cdiv(headdim, block_p) < STEP_MIN_PROGRAMS:
+            block_p //= 2
+        block_p = step_block_p or block_p
+        num_p_tiles = sizes.cdiv(headdim, block_p)
+        step_grid = (nheads * num_p_tiles, batch)
+        step.update(NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state_bytes] or batch < STATE_FIRST_BELOW_BATCH,
+                    BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps)
+    # A per-head scale needs the whole head in one flush tile.
+    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
+    flush_tile_rows, flush_warps = FLUSH_TILE[has_read]
+    flush_block_p = whole_p if whole_head else min(flush_tile_rows, whole_p)
+    flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
+    per_sm = WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM if whole_head else FLUSH_PROGRAMS_PER_SM[has_read]
+    programs = max(1, min(batch * nheads * flush_p_tiles, per_sm * gpu.sm_count(device)))
+    flush = dict(
+        NHEADS=nheads, HEADS_PER_GROUP=heads_per_group, L=L,
+        CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
+        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
+        CK_EMAX=codec.emax(checkpoint_format), HAS_READ=has_read,
+        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
+        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
+        RD_SR=read_format.stochastic if has_read else False,
+        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
+        RD_EMAX=codec.emax(read_format) if has_read else 0,
+        NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
+        BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs))),
+        num_warps=8 if whole_head else flush_warps,
+        **register_cap(None if whole_head else FLUSH_MAXNREG[has_read], device), **common,
+    )
+    return _Plan(bool(heads_per_program), step_grid, step, (programs,), flush)
+
+
 def launch_replay_decode(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
@@ -603,85 +679,38 @@ def launch_replay_decode(
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
     kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
     batch, nheads, headdim = x.shape
-    ngroups, dstate = B.shape[1], B.shape[2]
-    L = ring_x.shape[2]
-    hw = codec.hardware_casts(x.device)
-    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
     has_read = read is not None
-    state_fmt = read_format if has_read else checkpoint_format
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
-    block_n = max(32, sizes.next_power_of_2(dstate))
-    block_l = max(2, sizes.next_power_of_2(L))
-    whole_p = sizes.next_power_of_2(headdim)  # a tile over the whole head
+    plan = _plan(batch, nheads, headdim, B.shape[2], B.shape[1], ring_x.shape[2], x.device, state.element_size(),
+                 checkpoint_format, read_format if has_read else None, D is not None, z is not None,
+                 dt_bias is not None, slot_indices is not None, bool(dt_softplus), step_block_p, step_warps,
+                 heads_per_program, step_stages)
+    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
     z_arg = z if z is not None else dummy
-    use_pdl = pdl.enabled(x.device)
-    common = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_SLOTS=slot_indices is not None, HW=hw, PDL=use_pdl,
-                  **pdl.launch_options(use_pdl))
+    D_arg = D if D is not None else dummy
     slots_arg = slot_indices if slot_indices is not None else dummy
+    x_strides, C_strides, z_strides, out_strides = x.stride(), C.stride(), z_arg.stride(), out.stride()
+    B_strides = B.stride()
+    num_slots = checkpoint.shape[0]
     step_args = (
-        x, dt, A, B, C, D if D is not None else dummy, z_arg, dt_bias if dt_bias is not None else dummy,
-        slots_arg, out, codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
+        x, dt, A, B, C, D_arg, z_arg, dt_bias if dt_bias is not None else dummy,
+        slots_arg, out, codec.storage_view(state, read_format if has_read else checkpoint_format),
+        state_scale if state_scale is not None else dummy,
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        z_arg.stride(0), z_arg.stride(1), out.stride(0), out.stride(1),
+        x_strides[0], x_strides[1], dt.stride(0), B_strides[0], B_strides[1], C_strides[0], C_strides[1],
+        z_strides[0], z_strides[1], out_strides[0], out_strides[1],
     )
-    step_flags = dict(L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
-                      HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), BLOCK_L=block_l, **common)
-    heads_per_group = nheads // ngroups
-    if heads_per_program is None:
-        heads_per_program = default_heads_per_program(batch)
-    if heads_per_program:
-        per_program = grouped_heads_per_program(heads_per_program, heads_per_group)
-        block_p = step_block_p or whole_p
-        num_p_tiles = sizes.cdiv(headdim, block_p)
-        _replay_step_grouped_kernel[(nheads // per_program * num_p_tiles, batch)](
-            *step_args, checkpoint.shape[0], nheads,
-            HEADDIM=headdim, DSTATE=dstate, HEADS_PER_GROUP=heads_per_group, NUM_P_TILES=num_p_tiles,
-            HEADS_PER_PROG=per_program, LOOP_STAGES=step_stages or GROUPED_STAGES,
-            BLOCK_H=max(2, sizes.next_power_of_2(per_program)), BLOCK_P=block_p, BLOCK_N=block_n,
-            num_warps=step_warps or GROUPED_WARPS, **step_flags,
-        )
+    if plan.grouped:
+        _replay_step_grouped_kernel[plan.step_grid](*step_args, num_slots, nheads, **plan.step_constexprs)
     else:
-        tile_rows, tile_warps = STEP_TILE[state.element_size()]
-        block_p = min(whole_p, tile_rows)
-        while block_p > 32 and batch * nheads * sizes.cdiv(headdim, block_p) < STEP_MIN_PROGRAMS:
-            block_p //= 2
-        block_p = step_block_p or block_p
-        num_p_tiles = sizes.cdiv(headdim, block_p)
-        state_first = STATE_FIRST[state.element_size()] or batch < STATE_FIRST_BELOW_BATCH
-        _replay_step_kernel[(nheads * num_p_tiles, batch)](
-            *step_args, checkpoint.shape[0], nheads, headdim, dstate, heads_per_group,
-            NUM_P_TILES=num_p_tiles, STATE_FIRST=state_first, BLOCK_P=block_p, BLOCK_N=block_n,
-            num_warps=step_warps or tile_warps,
-            **step_flags,
-        )
-    # A per-head scale needs the whole head in one flush tile.
-    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_tile_rows, flush_warps = FLUSH_TILE[has_read]
-    flush_block_p = whole_p if whole_head else min(flush_tile_rows, whole_p)
-    flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
-    per_sm = WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM if whole_head else FLUSH_PROGRAMS_PER_SM[has_read]
-    programs = max(1, min(batch * nheads * flush_p_tiles, per_sm * gpu.sm_count(x.device)))
-    block_r = max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs)))
-    _replay_flush_kernel[(programs,)](
-        x, A, C, D if D is not None else dummy, z_arg, slots_arg, out,
+        _replay_step_kernel[plan.step_grid](*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1],
+                                           **plan.step_constexprs)
+    _replay_flush_kernel[plan.flush_grid](
+        x, A, C, D_arg, z_arg, slots_arg, out,
         codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
         codec.storage_view(read, read_format) if has_read else dummy,
         read_scale if read_scale is not None else dummy,
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
-        x.stride(0), x.stride(1), C.stride(0), C.stride(1), z_arg.stride(0), z_arg.stride(1),
-        out.stride(0), out.stride(1),
-        batch, checkpoint.shape[0], headdim, dstate, NHEADS=nheads, HEADS_PER_GROUP=nheads // ngroups,
-        L=L, CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
-        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
-        CK_EMAX=codec.emax(checkpoint_format),
-        HAS_READ=has_read,
-        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
-        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
-        RD_SR=read_format.stochastic if has_read else False,
-        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
-        RD_EMAX=codec.emax(read_format) if has_read else 0,
-        NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
-        BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=8 if whole_head else flush_warps,
-        **register_cap(None if whole_head else FLUSH_MAXNREG[has_read], x.device), **common,
+        x_strides[0], x_strides[1], C_strides[0], C_strides[1], z_strides[0], z_strides[1],
+        out_strides[0], out_strides[1], batch, num_slots, headdim, B.shape[2], **plan.flush_constexprs,
     )

@@ -27,3 +27,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_launch_plans():
+    # Tests patch launchers' tuning constants; a plan cached under other values would ignore them.
+    from qstate.kernels import clear_launch_plans
+
+    clear_launch_plans()
+    yield
+    clear_launch_plans()

@@ -248,11 +248,33 @@ def _bad(**overrides):
     (dict(state_batch_indices=torch.tensor([0.0, 1.0])), TypeError, "state_batch_indices"),
     (dict(seed="x"), TypeError, "seed"),
 ])
-def test_bad_input_names_the_argument(overrides, exc, name):
+@pytest.mark.parametrize("after_a_good_call", [False, True])
+def test_bad_input_names_the_argument(overrides, exc, name, after_a_good_call):
+    """Also after a good call with the other arguments the same: the op runs its checks once per
+    signature, so a signature that left out what makes an argument bad would pass it."""
+    if after_a_good_call:
+        good = _bad(state_batch_indices=torch.tensor([1, 0]))
+        qstate.selective_state_update(good.pop("state"), **good)
     args = _bad(**overrides)
     state = args.pop("state")
     with pytest.raises(exc, match=rf"^{name}:"):
         qstate.selective_state_update(state, **args)
+
+
+@pytest.mark.parametrize("overrides,exc,name", [
+    (dict(pad_slot_id=True), TypeError, "pad_slot_id"),
+    (dict(state_format=["int8:row"]), TypeError, "state_format"),
+    (dict(x=torch.zeros(2, 4, 8, 2)[..., 0]), ValueError, "x"),
+    (dict(out=torch.zeros(2, 4, 8, dtype=torch.float64)), TypeError, "out"),
+])
+def test_a_known_signature_does_not_pass_a_lookalike(overrides, exc, name):
+    """Arguments equal to an accepted call's under ``==`` or hashing (True and 1) or only by
+    shape (strides differ), or unhashable, still meet the checks."""
+    good = _bad(pad_slot_id=1, out=torch.zeros(2, 4, 8))
+    qstate.selective_state_update(good.pop("state"), **good)
+    args = _bad(**{"pad_slot_id": 1, "out": torch.zeros(2, 4, 8), **overrides})
+    with pytest.raises(exc, match=rf"^{name}:"):
+        qstate.selective_state_update(args.pop("state"), **args)
 
 
 # Kernel variants (kernels/conventional.Variant): each must give the default path's bits.

@@ -540,9 +540,13 @@ def small_step(batch=2):
     return step_args(inp, 0)
 
 
-def test_rejects_mismatched_shapes_devices_and_dtypes():
+@pytest.mark.parametrize("after_a_good_call", [False, True])
+def test_rejects_mismatched_shapes_devices_and_dtypes(after_a_good_call):
+    """Also after a good call (the op checks once per signature)."""
     cache = small_cache()
     args = small_step()
+    if after_a_good_call:
+        replay_decode(cache, **args)
     with pytest.raises(ValueError, match="x: expected shape"):
         replay_decode(cache, **{**args, "x": torch.zeros(2, 3, 4)})
     with pytest.raises(ValueError, match="B: expected shape"):
@@ -555,11 +559,17 @@ def test_rejects_mismatched_shapes_devices_and_dtypes():
         replay_decode(object(), **args)
     with pytest.raises(ValueError, match="batch must be <= num_slots"):
         replay_decode(cache, **small_step(batch=3))
+    with pytest.raises(TypeError, match="dt_softplus: expected a bool"):
+        replay_decode(cache, **{**args, "dt_softplus": 0})
 
 
-def test_rejects_bad_slot_indices():
+@pytest.mark.parametrize("after_a_good_call", [False, True])
+def test_rejects_bad_slot_indices(after_a_good_call):
+    """Values are checked on every call, not once per signature."""
     cache = small_cache()
     args = small_step()
+    if after_a_good_call:
+        replay_decode(cache, **args, slot_indices=torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="repeat"):
         replay_decode(cache, **args, slot_indices=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="num_slots"):

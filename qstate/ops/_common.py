@@ -51,6 +51,8 @@ def resolve_format(state_format, state: torch.Tensor) -> FormatConstants:
                 f"'fp8_e4m3:row'), got None"
             )
         return format_constants(text)
+    if not isinstance(state_format, (str, StateFormat)):
+        raise TypeError(f"state_format: expected a str, a StateFormat or None, got {type(state_format).__name__}")
     return format_constants(str(state_format))
 
 
@@ -138,8 +140,8 @@ def check_state(state: torch.Tensor, state_scale: Optional[torch.Tensor], consts
 
 
 def check_slot_indices(indices: Optional[torch.Tensor], batch: int, nslots: int, device: torch.device) -> None:
-    """``(batch,)`` int32/int64; negative = padding; ``≥ nslots`` is an error (checked on the host
-    for CPU tensors only; on a GPU such rows output NaN and write nothing, without a sync)."""
+    """``(batch,)`` int32/int64 on ``device``; negative = padding. Values: :func:`check_slot_values`
+    (CPU tensors only; on a GPU a row ``≥ nslots`` outputs NaN and writes nothing, without a sync)."""
     if indices is None:
         if nslots != batch:
             raise ValueError(f"state: without state_batch_indices expected {batch} slots (one per batch row), "
@@ -153,7 +155,12 @@ def check_slot_indices(indices: Optional[torch.Tensor], batch: int, nslots: int,
         raise ValueError(f"state_batch_indices: expected shape (batch,) = ({batch},), got {tuple(indices.shape)}")
     if indices.device != device:
         raise ValueError(f"state_batch_indices: expected a tensor on {device}, got {indices.device}")
-    if indices.device.type == "cpu" and batch and int(indices.max()) >= nslots:
+
+
+def check_slot_values(indices: torch.Tensor, nslots: int) -> None:
+    """Indices of a CPU tensor ``< nslots`` (a value check: it runs on every call, not once per
+    signature; on a GPU it would sync)."""
+    if indices.numel() and int(indices.max()) >= nslots:
         raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative = padding), "
                          f"got {int(indices.max())}")
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import _validate
 from ..kernels import conventional as _kernel
-from . import _common
+from . import _common, _signature
 from ._register import mutating_op
 
 _OP_NAME = "qstate::selective_state_update"
@@ -33,6 +33,7 @@ def _selective_state_update_impl(
 
 
 _selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl, ("state", "state_scale", "out"))
+_ACCEPTED = _signature.AcceptedSignatures()
 
 
 def _resolve_seed(seed, consts, device):
@@ -49,6 +50,43 @@ def _resolve_seed(seed, consts, device):
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, a device tensor or None, got {type(seed).__name__}")
     return seed & 0x7FFFFFFF, None
+
+
+def _check_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, state_scale, state_format,
+                pad_slot_id, out) -> None:
+    """Every check of :func:`selective_state_update` that reads only metadata (its signature)."""
+    consts = _common.resolve_format(state_format, state)
+    _common.check_state(state, state_scale, consts)
+    dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
+    nslots, nheads, headdim, dstate = state.shape
+    batch = x.shape[0]
+    for name, t, ndim in (("dt", dt, 2), ("A", A, 1), ("B", B, 3), ("C", C, 3)):
+        _validate.tensor(name, t, ndim=ndim)
+    _validate.shape("x", x, (batch, nheads, headdim), "(batch, nheads, headdim)")
+    _validate.shape("dt", dt, (batch, nheads), "(batch, nheads)")
+    _validate.shape("A", A, (nheads,), "(nheads,)")
+    ngroups = B.shape[1]
+    if ngroups < 1 or nheads % ngroups:
+        raise ValueError(f"B: nheads ({nheads}) must be a multiple of ngroups, got ngroups {ngroups}")
+    _validate.shape("B", B, (batch, ngroups, dstate), "(batch, ngroups, dstate)")
+    _validate.shape("C", C, (batch, ngroups, dstate), "(batch, ngroups, dstate)")
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            _validate.tensor(name, t, ndim=1)
+            _validate.shape(name, t, (nheads,), "(nheads,)")
+    if z is not None:
+        _validate.tensor("z", z, ndim=3)
+        _validate.shape("z", z, x.shape, "x.shape")
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)):
+        _common.float_input(name, t)
+    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
+        _common.unit_inner_stride(name, t)
+    _common.same_device(state.device, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
+    if out is not None:
+        _common.check_out(out, x)
 
 
 def selective_state_update(
@@ -94,40 +132,19 @@ def selective_state_update(
     slot's state may become NaN, inf or saturated codes (with scales of no use); no other slot
     is read or written. Returns ``out`` (allocated like ``x`` when None).
     """
+    signature = (state_format, dt_softplus, type(pad_slot_id), pad_slot_id,
+                 *map(_signature.tensor_meta, (state, state_scale, x, dt, A, B, C, D, z, dt_bias,
+                                               state_batch_indices, out)))
+    if not _ACCEPTED.known(signature):
+        _check_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, state_scale, state_format,
+                    pad_slot_id, out)
+        _ACCEPTED.add(signature)
     consts = _common.resolve_format(state_format, state)
-    _common.check_state(state, state_scale, consts)
+    if state_batch_indices is not None and state_batch_indices.device.type == "cpu":
+        _common.check_slot_values(state_batch_indices, state.shape[0])
     dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
-    nslots, nheads, headdim, dstate = state.shape
-    batch = x.shape[0]
-    for name, t, ndim in (("dt", dt, 2), ("A", A, 1), ("B", B, 3), ("C", C, 3)):
-        _validate.tensor(name, t, ndim=ndim)
-    _validate.shape("x", x, (batch, nheads, headdim), "(batch, nheads, headdim)")
-    _validate.shape("dt", dt, (batch, nheads), "(batch, nheads)")
-    _validate.shape("A", A, (nheads,), "(nheads,)")
-    ngroups = B.shape[1]
-    if ngroups < 1 or nheads % ngroups:
-        raise ValueError(f"B: nheads ({nheads}) must be a multiple of ngroups, got ngroups {ngroups}")
-    _validate.shape("B", B, (batch, ngroups, dstate), "(batch, ngroups, dstate)")
-    _validate.shape("C", C, (batch, ngroups, dstate), "(batch, ngroups, dstate)")
-    for name, t in (("D", D), ("dt_bias", dt_bias)):
-        if t is not None:
-            _validate.tensor(name, t, ndim=1)
-            _validate.shape(name, t, (nheads,), "(nheads,)")
-    if z is not None:
-        _validate.tensor("z", z, ndim=3)
-        _validate.shape("z", z, x.shape, "x.shape")
-    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)):
-        _common.float_input(name, t)
-    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
-        _common.unit_inner_stride(name, t)
-    _common.same_device(state.device, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
-    _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
-    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
-        raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
     if out is None:
         out = torch.empty_like(x)
-    else:
-        _common.check_out(out, x)
     seed_value, seed_tensor = _resolve_seed(seed, consts, state.device)
     A, D, dt_bias = (_common.per_head_vector(n, t) for n, t in (("A", A), ("D", D), ("dt_bias", dt_bias)))
     args = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices, out,

@@ -16,8 +16,7 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
-from ..formats import StateFormat
-from . import _common
+from . import _common, _signature
 from ._register import mutating_op
 
 __all__ = ["replay_decode"]
@@ -41,12 +40,13 @@ def _replay_decode_impl(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
         checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
         flush_rows, flush_counters,
-        checkpoint_format=StateFormat.parse(checkpoint_format),
-        read_format=None if read_format is None else StateFormat.parse(read_format), seed=seed,
+        checkpoint_format=_common.format_constants(checkpoint_format).fmt,
+        read_format=None if read_format is None else _common.format_constants(read_format).fmt, seed=seed,
     )
 
 
 _replay_decode_op = mutating_op("qstate::replay_decode", _replay_decode_impl, _MUTATED)
+_ACCEPTED = _signature.AcceptedSignatures()
 
 
 def _inner_contiguous(name: str, t: torch.Tensor) -> None:
@@ -70,7 +70,15 @@ def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, layout: str) -> tor
 
 
 def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str = "x") -> None:
-    """``slot_indices (batch,)`` or None (row i uses slot i; ``rows`` names the batch argument)."""
+    """``slot_indices (batch,)`` or None (row i uses slot i; ``rows`` names the batch argument):
+    :func:`_check_slot_layout` and :func:`_check_slot_values`."""
+    _check_slot_layout(slot_indices, batch, cache, rows)
+    if slot_indices is not None:
+        _check_slot_values(slot_indices, cache)
+
+
+def _check_slot_layout(slot_indices, batch: int, cache: ReplayCache, rows: str = "x") -> None:
+    """Type, dtype, shape and device of ``slot_indices``; without them, batch ≤ num_slots."""
     if slot_indices is None:
         if batch > cache.num_slots:
             raise ValueError(f"{rows}: without slot_indices row i uses slot i, so batch must be <= num_slots = "
@@ -83,8 +91,13 @@ def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str 
     _validate.shape("slot_indices", slot_indices, (batch,), "(batch,)")
     if slot_indices.device != cache.device:
         raise ValueError(f"slot_indices: expected device {cache.device} (the cache's), got {slot_indices.device}")
+
+
+def _check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
+    """Values of CPU slot indices: below num_slots, none repeated (padding aside). A value
+    check, so it runs on every call; a GPU tensor is not read (that would sync the host)."""
     if slot_indices.device.type != "cpu" or torch.compiler.is_compiling():
-        return  # values are checked on CPU tensors only: reading a GPU tensor would sync the host
+        return
     live = slot_indices[slot_indices >= 0]
     if live.numel():
         top = int(live.max())
@@ -95,18 +108,69 @@ def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str 
             raise ValueError(f"slot_indices: expected no slot to repeat within one call, got {slot_indices.tolist()}")
 
 
-def _check_ring_call(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus, slot_indices, batch: int,
-                     out: Optional[torch.Tensor], layout: str) -> torch.Tensor:
-    """What a decode or verify call checks against the cache beyond its input shapes: x and B in
-    the ring's dtype, the flag, the slot indices and ``out`` (returned, allocated when None)."""
+def _cache_layout(cache):
+    """What the checks read of a cache (a fresh object, equal to nothing, for a non-cache)."""
+    if not isinstance(cache, ReplayCache):
+        return object()
+    return (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
+            cache.input_dtype, cache.max_draft)
+
+
+def _check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus) -> None:
+    """x and B in the ring's dtype, and the flag a bool."""
     for name, t in (("x", x), ("B", B)):
         if t.dtype != cache.input_dtype:
             raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
                             f"got {t.dtype}")
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+
+
+def _check_ring_call(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus, slot_indices, batch: int,
+                     out: Optional[torch.Tensor], layout: str) -> torch.Tensor:
+    """What a decode or verify call checks against the cache beyond its input shapes: x and B in
+    the ring's dtype, the flag, the slot indices and ``out`` (returned, allocated when None)."""
+    _check_ring_inputs(cache, x, B, dt_softplus)
     _check_slot_indices(slot_indices, batch, cache)
     return _check_out(out, x, layout)
+
+
+def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
+    """Every check of :func:`replay_decode` that reads only metadata (its signature)."""
+    if not isinstance(cache, ReplayCache):
+        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    if cache.max_draft:
+        # Its ring is longer than ring_len and its cursors may pass ring_len - 1, which the step
+        # kernel's flush rule does not cover; a verify of one token is the plain step there.
+        raise ValueError(f"cache: expected a cache without speculative room (max_draft 0) for replay_decode, "
+                         f"got max_draft {cache.max_draft}; decode with replay_verify (T = 1) + replay_commit")
+    _validate.tensor("x", x, ndim=3)
+    batch = x.shape[0]
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    _validate.shape("x", x, (batch, H, P), "(batch, nheads, headdim) of the cache")
+    _validate.tensor("dt", dt, ndim=2)
+    _validate.shape("dt", dt, (batch, H), "(batch, nheads)")
+    for name, t in (("B", B), ("C", C)):
+        _validate.tensor(name, t, ndim=3)
+        _validate.shape(name, t, (batch, G, N), "(batch, ngroups, dstate) of the cache")
+    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None or name == "A":
+            _validate.tensor(name, t, ndim=1)
+            _validate.shape(name, t, (H,), "(nheads,)")
+    if z is not None:
+        _validate.tensor("z", z, ndim=3)
+        _validate.shape("z", z, (batch, H, P), "(batch, nheads, headdim)")
+    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)]
+    for name, t in named:
+        if t is not None and t.device != cache.device:
+            raise ValueError(f"{name}: expected device {cache.device} (the cache's), got {t.device}")
+    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
+        if t is not None:
+            _inner_contiguous(name, t)
+    _check_ring_inputs(cache, x, B, dt_softplus)
+    _check_slot_layout(slot_indices, batch, cache)
+    if out is not None:
+        _check_out(out, x, "(batch, nheads, headdim)")
 
 
 def replay_decode(
@@ -141,37 +205,16 @@ def replay_decode(
     read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
     ``y (batch, nheads, headdim)`` (``out`` if given).
     """
-    if not isinstance(cache, ReplayCache):
-        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
-    if cache.max_draft:
-        # Its ring is longer than ring_len and its cursors may pass ring_len - 1, which the step
-        # kernel's flush rule does not cover; a verify of one token is the plain step there.
-        raise ValueError(f"cache: expected a cache without speculative room (max_draft 0) for replay_decode, "
-                         f"got max_draft {cache.max_draft}; decode with replay_verify (T = 1) + replay_commit")
-    _validate.tensor("x", x, ndim=3)
+    signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
+                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
+    if not _ACCEPTED.known(signature):
+        _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
+        _ACCEPTED.add(signature)
+    if slot_indices is not None:
+        _check_slot_values(slot_indices, cache)
     batch = x.shape[0]
-    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
-    _validate.shape("x", x, (batch, H, P), "(batch, nheads, headdim) of the cache")
-    _validate.tensor("dt", dt, ndim=2)
-    _validate.shape("dt", dt, (batch, H), "(batch, nheads)")
-    for name, t in (("B", B), ("C", C)):
-        _validate.tensor(name, t, ndim=3)
-        _validate.shape(name, t, (batch, G, N), "(batch, ngroups, dstate) of the cache")
-    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
-        if t is not None or name == "A":
-            _validate.tensor(name, t, ndim=1)
-            _validate.shape(name, t, (H,), "(nheads,)")
-    if z is not None:
-        _validate.tensor("z", z, ndim=3)
-        _validate.shape("z", z, (batch, H, P), "(batch, nheads, headdim)")
-    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)]
-    for name, t in named:
-        if t is not None and t.device != cache.device:
-            raise ValueError(f"{name}: expected device {cache.device} (the cache's), got {t.device}")
-    for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
-        if t is not None:
-            _inner_contiguous(name, t)
-    out = _check_ring_call(cache, x, B, dt_softplus, slot_indices, batch, out, "(batch, nheads, headdim)")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)

@@ -300,6 +300,8 @@ def selective_state_update_drafts(
     _check_contiguous_state(state, state_scale)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
+        if state.device.type == "cpu":
+            _common.check_slot_values(state_batch_indices, nslots)
     elif batch > nslots:
         raise ValueError(f"x: without state_batch_indices row i uses slot i, so batch must be <= nslots = {nslots}, "
                          f"got {batch}")
@@ -328,6 +330,8 @@ def commit_drafts(
     _check_num_accepted(num_accepted, batch, state.device)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, state.shape[0], state.device)
+        if state.device.type == "cpu":
+            _common.check_slot_values(state_batch_indices, state.shape[0])
     elif batch > state.shape[0]:
         raise ValueError(f"intermediate: without state_batch_indices row i uses slot i, so batch must be <= "
                          f"nslots = {state.shape[0]}, got {batch}")
