@@ -163,17 +163,23 @@ def copy_ceiling_gbs(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / (min(us_torch, us_triton) * 1e-6) / 1e9
 
 
-def eager_us(fn: Callable[[], None], iters: int = 200) -> float:
-    """Wall µs per call of ``fn`` called back to back without graphs (host-bound at batch 1)."""
+def eager_us(fn: Callable[[], None], iters: int = 200, rounds: int = 5) -> float:
+    """Wall µs per call of ``fn`` called back to back without graphs (host-bound at batch 1):
+    the median over ``rounds`` rounds of ``iters`` calls (a host's other work moves single
+    rounds by tens of µs)."""
+    import statistics
     import time
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
+    per_round = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        per_round.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(per_round)
 
 
 def environment() -> dict:

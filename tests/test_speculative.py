@@ -245,6 +245,25 @@ def test_commit_errors_and_bad_input():
         replay_verify(plain, **inp, **params)
 
 
+def test_verify_checks_slot_values_and_layout_after_a_good_call():
+    """replay_verify runs its metadata checks once per signature; slot values every call."""
+    cache = ReplayCache.allocate(2, 2, 4, 32, 1, ring_len=4, read=None, input_dtype=torch.float32, max_draft=2)
+    g = torch.Generator().manual_seed(0)
+    params = layer_params(g, 2)
+    inp = draft_inputs(g, 2, 2, 2, 4, 32, 1)
+    replay_verify(cache, **inp, **params, slot_indices=torch.tensor([1, 0]))
+    replay_commit(cache, torch.tensor([1, 1], dtype=torch.int32), slot_indices=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="repeat"):
+        replay_verify(cache, **inp, **params, slot_indices=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="num_slots"):
+        replay_verify(cache, **inp, **params, slot_indices=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="x: expected a unit stride|x: expected unit stride"):
+        replay_verify(cache, **{**inp, "x": torch.zeros(2, 2, 2, 4, 2)[..., 0]}, **params)
+    with pytest.raises(TypeError, match="dt_softplus: expected a bool"):
+        replay_verify(cache, **inp, **params, dt_softplus=0)
+    assert cache.cursor.tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "int8:row"])
 def test_baseline_equals_conventional_steps(fmt):
     """The per-draft-state kernel writes the states T conventional steps write, bit for bit, and

@@ -126,15 +126,6 @@ def _check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
 
 
-def _check_ring_call(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus, slot_indices, batch: int,
-                     out: Optional[torch.Tensor], layout: str) -> torch.Tensor:
-    """What a decode or verify call checks against the cache beyond its input shapes: x and B in
-    the ring's dtype, the flag, the slot indices and ``out`` (returned, allocated when None)."""
-    _check_ring_inputs(cache, x, B, dt_softplus)
-    _check_slot_indices(slot_indices, batch, cache)
-    return _check_out(out, x, layout)
-
-
 def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
     """Every check of :func:`replay_decode` that reads only metadata (its signature)."""
     if not isinstance(cache, ReplayCache):

@@ -23,9 +23,10 @@ import torch
 from .. import _validate
 from ..cache import ReplayCache
 from ..formats import StateFormat
-from . import _common
+from . import _common, _signature
 from ._register import mutating_op
-from .replay import _check_out, _check_ring_call, _check_slot_indices, _inner_contiguous
+from .replay import (_cache_layout, _check_out, _check_ring_inputs, _check_slot_indices, _check_slot_layout,
+                     _check_slot_values, _inner_contiguous)
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
            "commit_drafts"]
@@ -153,6 +154,25 @@ def _host_checks(device: torch.device) -> bool:
 # ------------------------------------------------------------------------------------ public ops
 
 
+def _check_verify_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
+    """Every check of :func:`replay_verify` that reads only metadata (its signature)."""
+    if not isinstance(cache, ReplayCache):
+        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    batch, T, _ = _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, nheads=H, headdim=P, dstate=N, ngroups=G,
+                                      device=cache.device)
+    if T < 1 or T > cache.max_draft:
+        raise ValueError(f"x: expected 1 <= T <= cache.max_draft = {cache.max_draft} draft tokens "
+                         f"(allocate the cache with max_draft), got T = {T}")
+    _check_ring_inputs(cache, x, B, dt_softplus)
+    _check_slot_layout(slot_indices, batch, cache)
+    if out is not None:
+        _check_out(out, x, "(batch, T, nheads, headdim)")
+
+
+_VERIFY_ACCEPTED = _signature.AcceptedSignatures()
+
+
 def replay_verify(
     cache: ReplayCache, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
@@ -184,15 +204,16 @@ def replay_verify(
     verify must be followed by a :func:`replay_commit` of the same slots (a second verify
     replaces the pending drafts). Returns ``out``.
     """
-    if not isinstance(cache, ReplayCache):
-        raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
-    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
-    batch, T, _ = _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, nheads=H, headdim=P, dstate=N, ngroups=G,
-                                      device=cache.device)
-    if T < 1 or T > cache.max_draft:
-        raise ValueError(f"x: expected 1 <= T <= cache.max_draft = {cache.max_draft} draft tokens "
-                         f"(allocate the cache with max_draft), got T = {T}")
-    out = _check_ring_call(cache, x, B, dt_softplus, slot_indices, batch, out, "(batch, T, nheads, headdim)")
+    signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
+                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
+    if not _VERIFY_ACCEPTED.known(signature):
+        _check_verify_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
+        _VERIFY_ACCEPTED.add(signature)
+    if slot_indices is not None:
+        _check_slot_values(slot_indices, cache)
+    batch = x.shape[0]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
