@@ -38,6 +38,18 @@ def test_sass_count_compiles_a_kernel_for_sm90_without_a_gpu():
     assert 0.05 < per_element < 5.0  # a real listing, not an empty one
 
 
+def test_host_overhead_times_the_ops_python_without_launching():
+    """In its own process: it replaces the kernels of the modules it imports with no-ops."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "host_overhead.py")
+    result = subprocess.run([sys.executable, script, "--calls", "3"], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["selective_state_update", "launcher", "replay_decode", "launcher"]
+    assert all(float(line.split()[-2]) > 0 for line in lines)
+
+
 def test_run_case_lists_cases_and_rejects_unknown_names(capsys):
     from bench import run_case
     assert run_case.main(["--list"]) == 0

@@ -1,0 +1,95 @@
+"""Python cost of an eager call, without a GPU: the public ops and their launchers at batch 1 of
+nemotron-h-8b's layer (CPU tensors) with every Triton launch replaced by a no-op, so what is
+timed is checks, argument plumbing and launch plans alone.
+
+    python bench/host_overhead.py [--calls 2000]
+
+Prints µs per call (the median of five rounds): ``selective_state_update`` (fp32 state) and its
+launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) and its launcher. On a GPU
+host the Triton launches add to these (bench/README.md, "Eager overhead").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import qstate  # noqa: E402
+from qstate import profiles  # noqa: E402
+from qstate.kernels import conventional, replay  # noqa: E402
+
+_KERNELS = {conventional: ["_conventional_kernel"],
+            replay: ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"]}
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _us(fn, calls: int) -> float:
+    for _ in range(100):
+        fn()
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args(argv)
+    for module, names in _KERNELS.items():
+        for name in names:
+            setattr(module, name, _NoLaunch())
+    torch.set_num_threads(1)
+    prof = profiles.get("nemotron-h-8b")
+    H, P, N, G = prof.nheads, prof.headdim, prof.dstate, prof.ngroups
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, H, P, generator=g).bfloat16()
+    z = torch.randn(1, H, P, generator=g).bfloat16()
+    dt = torch.rand(1, H, generator=g).bfloat16()
+    A, D, dt_bias = -torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g)
+    B = torch.randn(1, G, N, generator=g).bfloat16()
+    C = torch.randn(1, G, N, generator=g).bfloat16()
+    out = torch.empty_like(x)
+    state = torch.zeros(1, H, P, N)
+    cache = qstate.ReplayCache.allocate(1, H, P, N, G)
+    fp32 = qstate.formats.StateFormat.parse("fp32")
+
+    def public_conventional():
+        qstate.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True, out=out)
+
+    def launcher_conventional():
+        conventional.launch(state, None, x, dt, A, B, C, D, z, dt_bias, None, out, 0, None, dtype_code=0,
+                            granularity=0, stochastic=False, qmax=1.0, emax=0, dt_softplus=True, pad_slot_id=-1,
+                            heads_per_group=H // G)
+
+    def public_replay():
+        qstate.replay_decode(cache, x, dt, A, B, C, D, z, dt_bias, True, out=out)
+
+    def launcher_replay():
+        replay.launch_replay_decode(
+            x, dt, A, B, C, D, z, dt_bias, True, None, out, cache.checkpoint, cache.checkpoint_scale, cache.read,
+            cache.read_scale, cache.ring_x, cache.ring_dt, cache.ring_B, cache.cursor, cache.generation,
+            cache.flush_rows, cache.flush_counters, checkpoint_format=fp32, read_format=cache.read_format, seed=0)
+
+    for name, fn in (("selective_state_update", public_conventional), ("  launcher", launcher_conventional),
+                     ("replay_decode", public_replay), ("  launcher", launcher_replay)):
+        print(f"{name:24s} {_us(fn, args.calls):7.1f} us", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
