@@ -6,10 +6,10 @@ fake, and returns the function the public API calls. That goes through the custo
 something may be tracing or faking the call: while ``torch.compile`` traces, under any
 ``TorchDispatchMode`` (``FakeTensorMode``, functionalization, debugging modes) and on meta
 tensors. Otherwise (eager calls, and CUDA-graph capture, which records the same launches) it
-calls ``impl`` itself, skipping the dispatcher's handling of the arguments: that cost about
-150 µs a call for ``replay_decode`` (25 arguments) on a CPU host, against 20 µs for the whole
-public call without it (``bench/host_overhead.py``: checks once per signature, cached launch
-plan, kernel launches stubbed out).
+calls ``impl`` itself, skipping the dispatcher's handling of the arguments: with kernel
+launches stubbed out on a 2-core CPU host, ``replay_decode``'s 25 arguments through the
+dispatcher took about 210 µs a call, the whole public call without it 20–26
+(``bench/host_overhead.py``).
 """
 
 from __future__ import annotations
