@@ -158,9 +158,9 @@ def check_slot_indices(indices: Optional[torch.Tensor], batch: int, nslots: int,
 
 
 def check_slot_values(indices: torch.Tensor, nslots: int) -> None:
-    """Indices of a CPU tensor ``< nslots`` (a value check: it runs on every call, not once per
-    signature; on a GPU it would sync)."""
-    if indices.numel() and int(indices.max()) >= nslots:
+    """Indices ``< nslots``, for a CPU tensor (a value check: it runs on every call, not once per
+    signature; a GPU tensor is not read, which would sync)."""
+    if indices.device.type == "cpu" and indices.numel() and int(indices.max()) >= nslots:
         raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative = padding), "
                          f"got {int(indices.max())}")
 

@@ -11,7 +11,7 @@ belong in a signature and run every call.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -37,15 +37,16 @@ class AcceptedSignatures:
     def __init__(self) -> None:
         self._seen: set = set()
 
-    def known(self, signature) -> bool:
-        """Whether ``signature`` passed before (False for an unhashable one: a plain argument of
-        a type the checks will reject)."""
+    def check_once(self, signature, check: Callable[..., None], *args) -> None:
+        """``check(*args)`` unless ``signature`` passed before; remembered when it passes. An
+        unhashable signature (a plain argument of a type the checks reject) is always checked."""
         try:
-            return signature in self._seen
+            if signature in self._seen:
+                return
         except TypeError:
-            return False
-
-    def add(self, signature: Hashable) -> None:
+            check(*args)
+            return
+        check(*args)
         if len(self._seen) >= MAX_REMEMBERED:
             self._seen.clear()
         self._seen.add(signature)

@@ -135,12 +135,10 @@ def selective_state_update(
     signature = (state_format, dt_softplus, type(pad_slot_id), pad_slot_id,
                  *map(_signature.tensor_meta, (state, state_scale, x, dt, A, B, C, D, z, dt_bias,
                                                state_batch_indices, out)))
-    if not _ACCEPTED.known(signature):
-        _check_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, state_scale, state_format,
-                    pad_slot_id, out)
-        _ACCEPTED.add(signature)
+    _ACCEPTED.check_once(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
+                         state_scale, state_format, pad_slot_id, out)
     consts = _common.resolve_format(state_format, state)
-    if state_batch_indices is not None and state_batch_indices.device.type == "cpu":
+    if state_batch_indices is not None:
         _common.check_slot_values(state_batch_indices, state.shape[0])
     dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
     if out is None:

@@ -126,6 +126,19 @@ def _check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
 
 
+def _checked_ring_call(accepted: _signature.AcceptedSignatures, check, cache, x, dt, A, B, C, D, z, dt_bias,
+                       dt_softplus, slot_indices, out) -> torch.Tensor:
+    """What a decode or verify call does before its launch: ``check`` (the call's metadata
+    checks, same arguments) once per signature, the slot values every call; returns ``out``
+    (allocated like x when None)."""
+    signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
+                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
+    accepted.check_once(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
+    if slot_indices is not None:
+        _check_slot_values(slot_indices, cache)
+    return out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
     """Every check of :func:`replay_decode` that reads only metadata (its signature)."""
     if not isinstance(cache, ReplayCache):
@@ -196,17 +209,9 @@ def replay_decode(
     read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
     ``y (batch, nheads, headdim)`` (``out`` if given).
     """
-    signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
-                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
-    if not _ACCEPTED.known(signature):
-        _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
-        _ACCEPTED.add(signature)
-    if slot_indices is not None:
-        _check_slot_values(slot_indices, cache)
-    batch = x.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if batch == 0:
+    out = _checked_ring_call(_ACCEPTED, _check_decode_args, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                             slot_indices, out)
+    if x.shape[0] == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
     _replay_decode_op(

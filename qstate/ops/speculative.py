@@ -25,8 +25,8 @@ from ..cache import ReplayCache
 from ..formats import StateFormat
 from . import _common, _signature
 from ._register import mutating_op
-from .replay import (_cache_layout, _check_out, _check_ring_inputs, _check_slot_indices, _check_slot_layout,
-                     _check_slot_values, _inner_contiguous)
+from .replay import (_check_out, _check_ring_inputs, _check_slot_indices, _check_slot_layout, _checked_ring_call,
+                     _inner_contiguous)
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
            "commit_drafts"]
@@ -204,17 +204,9 @@ def replay_verify(
     verify must be followed by a :func:`replay_commit` of the same slots (a second verify
     replaces the pending drafts). Returns ``out``.
     """
-    signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
-                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
-    if not _VERIFY_ACCEPTED.known(signature):
-        _check_verify_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
-        _VERIFY_ACCEPTED.add(signature)
-    if slot_indices is not None:
-        _check_slot_values(slot_indices, cache)
-    batch = x.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if batch == 0:
+    out = _checked_ring_call(_VERIFY_ACCEPTED, _check_verify_args, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                             slot_indices, out)
+    if x.shape[0] == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
     _replay_verify_op(
@@ -321,8 +313,7 @@ def selective_state_update_drafts(
     _check_contiguous_state(state, state_scale)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
-        if state.device.type == "cpu":
-            _common.check_slot_values(state_batch_indices, nslots)
+        _common.check_slot_values(state_batch_indices, nslots)
     elif batch > nslots:
         raise ValueError(f"x: without state_batch_indices row i uses slot i, so batch must be <= nslots = {nslots}, "
                          f"got {batch}")
@@ -351,8 +342,7 @@ def commit_drafts(
     _check_num_accepted(num_accepted, batch, state.device)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, state.shape[0], state.device)
-        if state.device.type == "cpu":
-            _common.check_slot_values(state_batch_indices, state.shape[0])
+        _common.check_slot_values(state_batch_indices, state.shape[0])
     elif batch > state.shape[0]:
         raise ValueError(f"intermediate: without state_batch_indices row i uses slot i, so batch must be <= "
                          f"nslots = {state.shape[0]}, got {batch}")
