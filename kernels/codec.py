@@ -29,6 +29,11 @@ In-kernel functions:
 * ``uniform4(seed, counter, N_ROUNDS=10) -> fp32``: the same kind of u from one Philox call per
   four elements (``tl.randint4x``): ``counter`` is ``[R, K]`` and the result ``[R, 4K]``, column
   ``4k + i`` taking word ``i`` of counter ``k``'s draw. Another stream than ``uniform``'s.
+* ``uniform8(seed, counter, N_ROUNDS=7) -> fp32``: u in [0, 1), a multiple of 2**-16, eight per
+  Philox call (each 32-bit word split in two halves): ``counter`` is ``[R, K]`` and the result
+  ``[R, 8K]``, column ``8k + 2i + h`` taking half ``h`` (0: the low 16 bits) of word ``i`` of
+  counter ``k``'s draw. Another stream than ``uniform4``'s; 16 bits of noise bias a rounding by
+  at most 2**-16 of a grid step.
 * ``reciprocal_rn(s) -> fp32``: ``1 / s`` correctly rounded (per scale group, for ``divide_rn``).
 * ``divide_rn(x, s, s_recip, HW) -> fp32``: ``x / s`` correctly rounded. ``HW``: one multiply and
   two FMAs with ``s_recip = reciprocal_rn(s)`` (Markstein's correction); else ``tl.div_rn``.
@@ -125,6 +130,15 @@ def uniform4(seed, counter, N_ROUNDS: tl.constexpr = 10):
     interleaved = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [R, K, 2, 2]
     bits = tl.reshape(interleaved, [counter.shape[0], counter.shape[1] * 4])
     return (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def uniform8(seed, counter, N_ROUNDS: tl.constexpr = 7):
+    w0, w1, w2, w3 = tl.randint4x(seed, counter, N_ROUNDS)
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [counter.shape[0], counter.shape[1] * 4])
+    halves = tl.join(words & 0xFFFF, words >> 16)  # [R, 4K, 2]: column 4k + i of words is word i
+    bits = tl.reshape(halves, [counter.shape[0], counter.shape[1] * 8])
+    return bits.to(tl.int32).to(tl.float32) * 1.52587890625e-05
 
 
 @triton.jit

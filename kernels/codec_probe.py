@@ -31,10 +31,14 @@ def _quantize_heads_kernel(
     if STOCHASTIC:
         if SR_STREAM == 0:
             u = codec.uniform(seed, offsets)
-        else:
+        elif SR_STREAM == 1:
             quads = tl.arange(0, BLOCK_N // 4)
             counter = (head * headdim + rows[:, None]) * ((dstate + 3) // 4) + quads[None, :]  # [BLOCK_P, BLOCK_N // 4]
             u = codec.uniform4(seed, counter, SR_ROUNDS)
+        else:
+            octets = tl.arange(0, BLOCK_N // 8)
+            counter = (head * headdim + rows[:, None]) * ((dstate + 7) // 8) + octets[None, :]  # [BLOCK_P, BLOCK_N // 8]
+            u = codec.uniform8(seed, counter, SR_ROUNDS)
         tl.store(noise_ptr + offsets, u, mask=mask)
     else:
         u = 0.0
@@ -79,7 +83,8 @@ def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, 
     ``+sr``) and the dequantized values. ``hardware_casts`` defaults to the device's.
     ``sr_stream``/``sr_rounds``: the noise stream, as the conventional kernel's ``Variant`` names it
     (0: :func:`codec.uniform` keyed by the element's position; 1: :func:`codec.uniform4` keyed by
-    ``(group·headdim + row)·ceil(dstate/4) + col // 4``).
+    ``(group·headdim + row)·ceil(dstate/4) + col // 4``; 2: :func:`codec.uniform8` keyed by
+    ``(group·headdim + row)·ceil(dstate/8) + col // 8``).
     """
     groups, headdim, dstate = x.shape
     x = x.contiguous().float()

@@ -98,33 +98,44 @@ def _philox4x32(seed: int, counters: np.ndarray, rounds: int) -> np.ndarray:
     return np.stack(c, axis=-1).astype(np.uint32)
 
 
-@pytest.mark.parametrize("sr_stream,rounds", [(0, 10), (1, 10), (1, 7)])
+@pytest.mark.parametrize("sr_stream,rounds", [(0, 10), (1, 10), (1, 7), (2, 7), (2, 10)])
 def test_noise_streams_are_the_documented_philox_words(sr_stream, rounds):
     """Stream 0: word 0 of the draw at the element's position. Stream 1: column 4k + i of row r
-    takes word i of the draw at r·ceil(dstate/4) + k (dstate 42: the last quad is partial)."""
+    takes word i of the draw at r·ceil(dstate/4) + k (dstate 42: the last quad is partial).
+    Stream 2: column 8k + 2i + h takes half h (0: low) of word i of the draw at
+    r·ceil(dstate/8) + k, as a multiple of 2**-16."""
     groups, headdim, dstate, seed = 2, 3, 42, 99
     fmt = formats.StateFormat.parse("int8:row+sr")
     noise = codec_probe.quantize_heads(torch.zeros(groups, headdim, dstate), fmt, seed=seed, hardware_casts=False,
                                        sr_stream=sr_stream, sr_rounds=rounds)[2]
     row = np.arange(groups * headdim)[:, None]
     col = np.arange(dstate)[None, :]
+    per_row = lambda a: np.broadcast_to(a, (groups * headdim, dstate)).ravel()  # noqa: E731
     if sr_stream == 0:
         words = _philox4x32(seed, (row * dstate + col).ravel(), rounds)[:, 0]
+        uniform = (words >> 8).astype(np.float32) * 2.0**-24
+    elif sr_stream == 1:
+        draws = _philox4x32(seed, (row * -(-dstate // 4) + col // 4).ravel(), rounds)
+        words = draws[np.arange(draws.shape[0]), per_row(col % 4)]
+        uniform = (words >> 8).astype(np.float32) * 2.0**-24
     else:
-        quads = -(-dstate // 4)
-        draws = _philox4x32(seed, (row * quads + col // 4).ravel(), rounds)
-        words = draws[np.arange(draws.shape[0]), np.broadcast_to(col % 4, (groups * headdim, dstate)).ravel()]
-    expected = torch.from_numpy((words >> 8).astype(np.float32) * 2.0**-24).reshape(groups, headdim, dstate)
+        draws = _philox4x32(seed, (row * -(-dstate // 8) + col // 8).ravel(), rounds)
+        words = draws[np.arange(draws.shape[0]), per_row(col % 8 // 2)]
+        uniform = np.where(per_row(col % 2) == 0, words & 0xFFFF, words >> 16).astype(np.float32) * 2.0**-16
+    expected = torch.from_numpy(uniform).reshape(groups, headdim, dstate)
     assert torch.equal(noise, expected)
 
 
+@pytest.mark.parametrize("sr_stream,rounds,bits", [(1, 10, 24), (2, 7, 16)])
 @pytest.mark.parametrize("text", ["fp16+sr", "bf16+sr", "int8:row+sr", "fp8_e4m3:head+sr", "fp8_e5m2:block32+sr"])
-def test_codec_with_four_word_noise_matches_formats(text):
+def test_codec_with_multiword_noise_matches_formats(text, sr_stream, rounds, bits):
     fmt = formats.StateFormat.parse(text)
     x = _inputs(fmt, 0)
-    codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=77, hardware_casts=False, sr_stream=1)
+    codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=77, hardware_casts=False,
+                                                            sr_stream=sr_stream, sr_rounds=rounds)
     expected = formats.quantize(x, fmt, noise=noise)
     assert torch.equal(_bits(codes), _bits(expected.data))
     if fmt.scaled:
         assert torch.equal(_bits(scale), _bits(expected.scale))
     assert noise.min() >= 0 and noise.max() < 1 and abs(noise.mean().item() - 0.5) < 0.03
+    assert torch.equal(noise * 2**bits, torch.floor(noise * 2**bits))
