@@ -287,7 +287,7 @@ def check_variants(device, nheads=16, headdim=64, dstate=128, ngroups=2):
     default's (another code shape contracts other FMAs and sums in another order, so the fp32
     values differ in their last bits and a bf16 output may round the other way: at most one
     bf16 ulp, ``2**-7·max(|a|, |b|)``), < 0.1 % codes differing for the same noise stream; with
-    the four-word stream (other noise) int8 codes within one step of the default's. Returns
+    another stream than the default's (other noise) int8 codes within one step of the default's. Returns
     (failures, report rows)."""
     failures, report = [], []
     nslots, batch, H, P, N, G = 6, 4, nheads, headdim, dstate, ngroups

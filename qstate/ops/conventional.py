@@ -119,8 +119,8 @@ def selective_state_update(
     The kernel dequantizes the slot's state, computes ``dt = softplus(dt + dt_bias)`` (when
     asked), ``S = exp(dt·A)·S + (dt·x) ⊗ B`` in fp32, ``y = S·C + D·x`` (times ``z·sigmoid(z)``)
     from the unrounded ``S``, and stores ``S`` re-quantized (round-to-nearest-even, or with
-    ``+sr`` stochastic rounding from a Philox stream keyed by ``seed`` and the element's
-    position in the state) with fresh scales. On a GPU, row and head scales are computed with
+    ``+sr`` stochastic rounding with 16-bit uniform noise from a Philox4x32-7 stream keyed by
+    ``seed`` and the element's position in the state) with fresh scales. On a GPU, row and head scales are computed with
     the scale's reciprocal and the old scale folded into the decay (fewer instructions), so a
     code can differ by one grid step from ``decode_naive``'s where the quotient lies within an
     ulp of a rounding boundary (at most 7 codes in 10⁶ in the H200 check; on CPU tensors the
