@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import qstate
@@ -159,7 +161,8 @@ def eager_overhead(device):
 
 def check_codec(device):
     """The codec probe on the GPU, with and without conversion instructions, vs qstate.formats:
-    every format, 2**19 values per format over many binades, bit for bit. Returns failures."""
+    every format (stochastic ones with noise streams 0 and 2), 2**19 values per format over many
+    binades, bit for bit. Returns failures."""
     failures = []
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(64, 64, 128, device=device, generator=gen)
@@ -168,14 +171,15 @@ def check_codec(device):
     x[0, 1] = 0.0
     for text in ALL_FORMATS:
         fmt = formats.StateFormat.parse(text)
-        for hw in (False, True):
-            codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=5, hardware_casts=hw)
+        for hw, (stream, rounds) in itertools.product((False, True), ((0, 10), (2, 7)) if fmt.stochastic else ((0, 10),)):
+            codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=5, hardware_casts=hw,
+                                                                    sr_stream=stream, sr_rounds=rounds)
             expected = formats.quantize(x, fmt, noise=noise)
             bad = int((bits(codes) != bits(expected.data)).sum())
             if fmt.scaled:
                 bad += int((bits(scale) != bits(expected.scale)).sum())
             if bad:
-                failures.append(f"codec {text} hw={hw}: {bad} codes/scales differ")
+                failures.append(f"codec {text} hw={hw} stream {stream}: {bad} codes/scales differ")
     return failures
 
 

@@ -29,11 +29,13 @@ In-kernel functions:
 * ``uniform4(seed, counter, N_ROUNDS=10) -> fp32``: the same kind of u from one Philox call per
   four elements (``tl.randint4x``): ``counter`` is ``[R, K]`` and the result ``[R, 4K]``, column
   ``4k + i`` taking word ``i`` of counter ``k``'s draw. Another stream than ``uniform``'s.
-* ``uniform8(seed, counter, N_ROUNDS=7) -> fp32``: u in [0, 1), a multiple of 2**-16, eight per
-  Philox call (each 32-bit word split in two halves): ``counter`` is ``[R, K]`` and the result
+* ``noise8(seed, counter, N_ROUNDS=7) -> int32``: 16-bit noise in [0, 2**16), eight per Philox
+  call (each 32-bit word split in two halves): ``counter`` is ``[R, K]`` and the result
   ``[R, 8K]``, column ``8k + 2i + h`` taking half ``h`` (0: the low 16 bits) of word ``i`` of
-  counter ``k``'s draw. Another stream than ``uniform4``'s; 16 bits of noise bias a rounding by
-  at most 2**-16 of a grid step.
+  counter ``k``'s draw.
+* ``uniform8(seed, counter, N_ROUNDS=7) -> fp32``: ``noise8 · 2**-16``, u in [0, 1). Another
+  stream than ``uniform4``'s; 16 bits of noise against 24 move a rounding's probability by
+  less than 2**-16.
 * ``reciprocal_rn(s) -> fp32``: ``1 / s`` correctly rounded (per scale group, for ``divide_rn``).
 * ``divide_rn(x, s, s_recip, HW) -> fp32``: ``x / s`` correctly rounded. ``HW``: one multiply and
   two FMAs with ``s_recip = reciprocal_rn(s)`` (Markstein's correction); else ``tl.div_rn``.
@@ -53,6 +55,12 @@ In-kernel functions:
   range) with the product rounded once (int8: to an integer inside one FMA), not the quotient
   ``divide_rn`` gives: a code can differ where the quotient lies within an ulp of a rounding
   boundary. For kernels allowed to differ from the references in last bits (``FUSED``).
+* ``encode_sr16(v, recip, r, QMAX, DTYPE, HW)``: codes of ``saturate(v·recip)`` rounded
+  stochastically on the bits with the 16-bit noise ``r`` of ``noise8`` (u = r·2**-16), for
+  int8 and bf16 (bf16: pass recip 1.0). bf16 gives ``encode``'s codes for that u bit for bit;
+  int8 rounds ``v·recip`` once (inside an FMA, to 2**-15) and uses 15 bits of the noise, so a
+  code can differ from the references' by one step where the quotient lies near a rounding
+  boundary: for kernels allowed to differ in last bits (``FUSED``), as ``encode_product``.
 * ``round_rne(v, DTYPE) -> fp32``: nearest-even grid value of ``v`` (exact arithmetic).
 * ``round_sr(v, u, DTYPE) -> fp32``: ``floor(v / step + u) * step`` (exact arithmetic).
 * ``grid_to_codes(g, DTYPE, HW)``: grid values → storage codes (no rounding happens).
@@ -133,12 +141,16 @@ def uniform4(seed, counter, N_ROUNDS: tl.constexpr = 10):
 
 
 @triton.jit
-def uniform8(seed, counter, N_ROUNDS: tl.constexpr = 7):
+def noise8(seed, counter, N_ROUNDS: tl.constexpr = 7):
     w0, w1, w2, w3 = tl.randint4x(seed, counter, N_ROUNDS)
     words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [counter.shape[0], counter.shape[1] * 4])
     halves = tl.join(words & 0xFFFF, words >> 16)  # [R, 4K, 2]: column 4k + i of words is word i
-    bits = tl.reshape(halves, [counter.shape[0], counter.shape[1] * 8])
-    return bits.to(tl.int32).to(tl.float32) * 1.52587890625e-05
+    return tl.reshape(halves, [counter.shape[0], counter.shape[1] * 8]).to(tl.int32)
+
+
+@triton.jit
+def uniform8(seed, counter, N_ROUNDS: tl.constexpr = 7):
+    return noise8(seed, counter, N_ROUNDS).to(tl.float32) * 1.52587890625e-05
 
 
 @triton.jit
@@ -234,6 +246,26 @@ def encode_product(v, recip, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHAS
         codes = encode_saturating(v * recip, u, QMAX, DTYPE, STOCHASTIC, HW)
     else:
         codes = encode(v * recip, u, DTYPE, STOCHASTIC, HW)
+    return codes
+
+
+@triton.jit
+def encode_sr16(v, recip, r, QMAX: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
+    if DTYPE == 5:
+        # t = v·recip + 384 rounded once: in [257, 511] after the clamp (the saturation; max/min
+        # return the number for a NaN: −QMAX), a multiple of 2**-15, so its low 15 mantissa bits
+        # plus 15 bits of noise carry into the integer part exactly as floor(t + u) does.
+        t = tl.minimum(tl.maximum(tl.fma(v, recip, tl.full(v.shape, 384.0, tl.float32)), 257.0), 511.0)
+        codes = ((t.to(tl.int32, bitcast=True) + (r >> 1) - 0x43C00000) >> 15).to(tl.int8)
+    else:
+        tl.static_assert(DTYPE == 1)
+        bits = saturate(v * recip, QMAX).to(tl.int32, bitcast=True)
+        # The magnitude plus noise in its 16 dropped bits moves up a step iff f + u >= 1 (f the
+        # dropped fraction); for v < 0 the noise is complemented (65535 - r), so it moves up iff
+        # f > u: what floor(v/step + u) does to a negative v.
+        magnitude = ((bits & 0x7FFFFFFF) + ((r ^ (bits >> 31)) & 0xFFFF)) & -65536
+        # floor() gives +0 when a negative value rounds to zero; keep the sign of nonzero results only.
+        codes = (tl.where(magnitude == 0, 0, magnitude | (bits & -2147483648)) >> 16).to(tl.int16)
     return codes
 
 

@@ -1,7 +1,8 @@
 """Quantize a ``(groups, headdim, dstate)`` fp32 tensor with the in-kernel codec alone.
 
 It exists to check :mod:`qstate.kernels.codec` (its ``encode_saturating``, the encoder the
-kernels use) against :mod:`qstate.formats` bit for bit
+kernels use, and for bf16 with the 16-bit noise stream ``encode_sr16``) against
+:mod:`qstate.formats` bit for bit
 (tests under the interpreter, ``bench/run_gpu.py`` on the GPU, with and without the GPU's
 conversion instructions). One program quantizes one group (head) as one tile.
 """
@@ -38,7 +39,8 @@ def _quantize_heads_kernel(
         else:
             octets = tl.arange(0, BLOCK_N // 8)
             counter = (head * headdim + rows[:, None]) * ((dstate + 7) // 8) + octets[None, :]  # [BLOCK_P, BLOCK_N // 8]
-            u = codec.uniform8(seed, counter, SR_ROUNDS)
+            noise = codec.noise8(seed, counter, SR_ROUNDS)
+            u = noise.to(tl.float32) * 1.52587890625e-05  # codec.uniform8's u
         tl.store(noise_ptr + offsets, u, mask=mask)
     else:
         u = 0.0
@@ -46,7 +48,10 @@ def _quantize_heads_kernel(
         codes = x
         values = x
     elif GRAN == 0:
-        codes = codec.encode_saturating(x, u, QMAX, DTYPE, STOCHASTIC, HW)
+        if STOCHASTIC and SR_STREAM == 2 and DTYPE == 1:
+            codes = codec.encode_sr16(x, 1.0, noise, QMAX, DTYPE, HW)  # as the conventional kernel does
+        else:
+            codes = codec.encode_saturating(x, u, QMAX, DTYPE, STOCHASTIC, HW)
         values = codec.decode(codes, DTYPE, HW)
     else:
         magnitude = tl.where(mask, tl.abs(x), 0.0)

@@ -158,13 +158,20 @@ def _update_head(
         else:
             octets = tl.arange(0, BLOCK_N // 8)
             counter = (element_rows[:, None] * ((dstate + 7) // 8) + octets[None, :]).to(tl.int32)
-            u = codec.uniform8(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
+            noise = codec.noise8(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
+            u = noise.to(tl.float32) * 1.52587890625e-05  # codec.uniform8's u
     else:
         u = 0.0
+    # 16-bit noise rounds on the bits (codec.encode_sr16): bf16 exactly as the reference, int8
+    # within the FUSED path's license to differ in last bits. (fp8 on the bits took as many
+    # instructions as the float comparison, sm_90 listing: not used.)
+    SR16: tl.constexpr = STOCHASTIC and SR_STREAM == 2 and (DTYPE == 1 or (FOLD_SCALE and DTYPE == 5))
     if GRAN != 0:
         scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
     if DTYPE == 0:
         codes = new_state
+    elif SR16 and GRAN == 0:
+        codes = codec.encode_sr16(new_state, 1.0, noise, QMAX, DTYPE, HW)
     elif GRAN == 0:
         codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
     else:
@@ -181,7 +188,9 @@ def _update_head(
             else:
                 tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
                          mask=_and(scale_mask, rows == 0))
-            if DTYPE == 5 and not STOCHASTIC:
+            if SR16:
+                codes = codec.encode_sr16(new_state, recip, noise, QMAX, DTYPE, HW)
+            elif DTYPE == 5 and not STOCHASTIC:
                 # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile
                 # whose scales are all unclamped skips the per-element saturation.
                 if GRAN == 1:
