@@ -184,13 +184,17 @@ def check_codec(device):
 
 
 def _check_shapes():
-    """(profile, batch, formats, prefetching) of the GPU check: every format at a small shape, and
-    the formats whose GPU launch changes with the grid (``kernel.PREFETCH_CONFIGS``) at a shape
-    whose launch must take that configuration."""
-    prefetch = [text for text in ALL_FORMATS
-                if (codec.dtype_code(formats.StateFormat.parse(text)), formats.StateFormat.parse(text).stochastic)
-                in kernel.PREFETCH_CONFIGS and formats.StateFormat.parse(text).granularity == "row"]
+    """(profile, batch, formats, prefetching) of the GPU check: every format at a small shape (where
+    the launcher splits headdim into 4-row tiles), the unscaled and row-scaled formats at a shape
+    that keeps their full GPU tiles (``kernel._TILE_ROWS_BY_DTYPE``), and the formats whose GPU
+    launch changes with the grid (``kernel.PREFETCH_CONFIGS``) at a shape whose launch must take
+    that configuration."""
+    parsed = {text: formats.StateFormat.parse(text) for text in ALL_FORMATS}
+    prefetch = [text for text, fmt in parsed.items()
+                if (codec.dtype_code(fmt), fmt.stochastic) in kernel.PREFETCH_CONFIGS and fmt.granularity == "row"]
+    full_tile = [text for text, fmt in parsed.items() if fmt.granularity in (None, "row") and text not in prefetch]
     return [(profiles.Profile("check", 8, 64, 128, 2, 1), 4, ALL_FORMATS, False),
+            (profiles.Profile("check-full-tile", 32, 64, 128, 2, 1), 64, full_tile, False),
             (profiles.Profile("check-prefetch", 32, 64, 128, 2, 1), 256, prefetch, True)]
 
 
