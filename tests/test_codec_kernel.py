@@ -8,6 +8,8 @@ with and without the GPU's conversion instructions.
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qstate import formats
 from qstate.kernels import codec_probe
@@ -139,3 +141,40 @@ def test_codec_with_multiword_noise_matches_formats(text, sr_stream, rounds, bit
         assert torch.equal(_bits(scale), _bits(expected.scale))
     assert noise.min() >= 0 and noise.max() < 1 and abs(noise.mean().item() - 0.5) < 0.03
     assert torch.equal(noise * 2**bits, torch.floor(noise * 2**bits))
+
+
+@settings(max_examples=40)
+@given(
+    values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=True), min_size=64, max_size=64),
+    text=st.sampled_from(["bf16+sr", "fp16+sr", "int8:row+sr", "fp8_e4m3:row+sr", "fp8_e5m2:head+sr"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sixteen_bit_stream_codes_match_formats(values, text, seed):
+    """Any fp32 values (subnormals, ±0, ±inf, the largest floats): codes of the 16-bit noise
+    stream (bf16 rounded on the bits by ``codec.encode_sr16``) equal ``qstate.formats``' for
+    the noise the probe reports, bit for bit."""
+    fmt = formats.StateFormat.parse(text)
+    x = torch.tensor(values, dtype=torch.float32).reshape(1, 2, 32)
+    codes, scale, noise, _ = codec_probe.quantize_heads(x, fmt, seed=seed, hardware_casts=False, sr_stream=2,
+                                                       sr_rounds=7)
+    expected = formats.quantize(x, fmt, noise=noise)
+    assert torch.equal(_bits(codes), _bits(expected.data))
+    if fmt.scaled:
+        assert torch.equal(_bits(scale), _bits(expected.scale))
+
+
+@pytest.mark.parametrize("value", [1.0 + 0.3 * 2.0**-7, -(1.0 + 0.3 * 2.0**-7), -0.7 * 2.0**-133, 3.0 * 2.0**-140])
+def test_sixteen_bit_stream_rounds_bf16_without_bias(value):
+    """bf16 on the bits: a value a fraction f of a step above a grid point rounds up with
+    probability f, on both signs and among subnormals (the noise complemented for negatives)."""
+    fmt = formats.StateFormat.parse("bf16+sr")
+    x = torch.full((4, 32, 32), value, dtype=torch.float32)
+    codes = codec_probe.quantize_heads(x, fmt, seed=3, hardware_casts=False, sr_stream=2, sr_rounds=7)[0]
+    low = torch.tensor(value).to(torch.bfloat16)
+    low = low if abs(low.float().item()) <= abs(value) else torch.nextafter(low, torch.zeros_like(low))
+    high = torch.nextafter(low, torch.full_like(low, float("inf") if value > 0 else float("-inf")))
+    step = abs(high.float().item() - low.float().item())
+    f = abs(value - low.float().item()) / step
+    assert set(codes.flatten().float().unique().tolist()) <= {low.float().item(), high.float().item()}
+    up = (codes.float() == high.float()).double().mean().item()
+    assert abs(up - f) < 4 * (f * (1 - f) / codes.numel()) ** 0.5
