@@ -33,7 +33,7 @@ In-kernel functions:
   call (each 32-bit word split in two halves): ``counter`` is ``[R, K]`` and the result
   ``[R, 8K]``, column ``8k + 2i + h`` taking half ``h`` (0: the low 16 bits) of word ``i`` of
   counter ``k``'s draw.
-* ``uniform8(seed, counter, N_ROUNDS=7) -> fp32``: ``noise8 · 2**-16``, u in [0, 1). Another
+* ``uniform16(noise) -> fp32``: u = ``noise · 2**-16`` in [0, 1) of ``noise8``'s noise. Another
   stream than ``uniform4``'s; 16 bits of noise against 24 move a rounding's probability by
   less than 2**-16.
 * ``reciprocal_rn(s) -> fp32``: ``1 / s`` correctly rounded (per scale group, for ``divide_rn``).
@@ -149,8 +149,8 @@ def noise8(seed, counter, N_ROUNDS: tl.constexpr = 7):
 
 
 @triton.jit
-def uniform8(seed, counter, N_ROUNDS: tl.constexpr = 7):
-    return noise8(seed, counter, N_ROUNDS).to(tl.float32) * 1.52587890625e-05
+def uniform16(noise):
+    return noise.to(tl.float32) * 1.52587890625e-05
 
 
 @triton.jit

@@ -40,7 +40,7 @@ def _quantize_heads_kernel(
             octets = tl.arange(0, BLOCK_N // 8)
             counter = (head * headdim + rows[:, None]) * ((dstate + 7) // 8) + octets[None, :]  # [BLOCK_P, BLOCK_N // 8]
             noise = codec.noise8(seed, counter, SR_ROUNDS)
-            u = noise.to(tl.float32) * 1.52587890625e-05  # codec.uniform8's u
+            u = codec.uniform16(noise)
         tl.store(noise_ptr + offsets, u, mask=mask)
     else:
         u = 0.0
@@ -88,7 +88,7 @@ def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, 
     ``+sr``) and the dequantized values. ``hardware_casts`` defaults to the device's.
     ``sr_stream``/``sr_rounds``: the noise stream, as the conventional kernel's ``Variant`` names it
     (0: :func:`codec.uniform` keyed by the element's position; 1: :func:`codec.uniform4` keyed by
-    ``(group·headdim + row)·ceil(dstate/4) + col // 4``; 2: :func:`codec.uniform8` keyed by
+    ``(group·headdim + row)·ceil(dstate/4) + col // 4``; 2: :func:`codec.noise8` keyed by
     ``(group·headdim + row)·ceil(dstate/8) + col // 8``).
     """
     groups, headdim, dstate = x.shape

@@ -159,7 +159,7 @@ def _update_head(
             octets = tl.arange(0, BLOCK_N // 8)
             counter = (element_rows[:, None] * ((dstate + 7) // 8) + octets[None, :]).to(tl.int32)
             noise = codec.noise8(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
-            u = noise.to(tl.float32) * 1.52587890625e-05  # codec.uniform8's u
+            u = codec.uniform16(noise)
     else:
         u = 0.0
     # 16-bit noise rounds on the bits (codec.encode_sr16): bf16 exactly as the reference, int8
@@ -334,7 +334,7 @@ class Variant:
     largest power of two dividing heads_per_group). ``num_stages``: the compiler's software
     pipelining of that loop. ``prefetch``: load the next head before updating this one.
     ``sr_stream``: 0 = one Philox draw per element (:func:`codec.uniform`), 1 = one per four
-    (:func:`codec.uniform4`), 2 = one per eight (:func:`codec.uniform8`, 16-bit noise); each
+    (:func:`codec.uniform4`), 2 = one per eight (:func:`codec.noise8`, 16-bit noise); each
     a different noise stream, with ``sr_rounds`` Philox rounds for 1 and 2.
     """
 
