@@ -56,9 +56,11 @@ In-kernel functions:
   ``divide_rn`` gives: a code can differ where the quotient lies within an ulp of a rounding
   boundary. For kernels allowed to differ from the references in last bits (``FUSED``).
 * ``encode_sr16(v, recip, r, QMAX, DTYPE, HW)``: codes of ``saturate(v·recip)`` rounded
-  stochastically on the bits with the 16-bit noise ``r`` of ``noise8`` (u = r·2**-16), for
-  int8 and bf16 (bf16: pass recip 1.0). bf16 gives ``encode``'s codes for that u bit for bit;
-  int8 rounds ``v·recip`` once (inside an FMA, to 2**-15) and uses 15 bits of the noise, so a
+  stochastically with the 16-bit noise ``r`` of ``noise8`` (u = r·2**-16), for int8, fp8 and
+  bf16 (bf16: pass recip 1.0). bf16 rounds on the bits and gives ``encode``'s codes for that u
+  bit for bit. int8 rounds ``v·recip`` once (inside an FMA, to 2**-15) and uses 15 bits of the
+  noise; fp8 takes ``floor(q + u)`` of the product's ``q = v·recip / step`` in one addition
+  (exact from the smallest normal up; e4m3 on a GPU leaves the saturation to its cast). So a
   code can differ from the references' by one step where the quotient lies near a rounding
   boundary: for kernels allowed to differ in last bits (``FUSED``), as ``encode_product``.
 * ``round_rne(v, DTYPE) -> fp32``: nearest-even grid value of ``v`` (exact arithmetic).
@@ -257,6 +259,19 @@ def encode_sr16(v, recip, r, QMAX: tl.constexpr, DTYPE: tl.constexpr, HW: tl.con
         # plus 15 bits of noise carry into the integer part exactly as floor(t + u) does.
         t = tl.minimum(tl.maximum(tl.fma(v, recip, tl.full(v.shape, 384.0, tl.float32)), 257.0), 511.0)
         codes = ((t.to(tl.int32, bitcast=True) + (r >> 1) - 0x43C00000) >> 15).to(tl.int8)
+    elif DTYPE == 3 or DTYPE == 4:
+        MANT_BITS: tl.constexpr = 3 if DTYPE == 3 else 2
+        MIN_EXP: tl.constexpr = -6 if DTYPE == 3 else -14
+        w = v * recip
+        if not (HW and DTYPE == 3):
+            # The GPU's e4m3 cast saturates (encode_saturating); the others need the clamp first.
+            w = saturate(w, QMAX)
+        # q = w / step is exact (a power of two) and q + u too for |q| >= 2**MANT_BITS (u a
+        # multiple of 2**-16, q of 2**(MANT_BITS - 23)); below the smallest normal the sum can
+        # round, and floor() then move by one where it lands within an ulp of an integer.
+        k = _step_exponent(w, MANT_BITS, MIN_EXP)
+        g = tl.floor(w * _pow2(-k) + uniform16(r)) * _pow2(k)
+        codes = grid_to_codes(g, DTYPE, HW)
     else:
         tl.static_assert(DTYPE == 1)
         bits = saturate(v * recip, QMAX).to(tl.int32, bitcast=True)

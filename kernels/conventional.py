@@ -162,10 +162,9 @@ def _update_head(
             u = codec.uniform16(noise)
     else:
         u = 0.0
-    # 16-bit noise rounds on the bits (codec.encode_sr16): bf16 exactly as the reference, int8
-    # within the FUSED path's license to differ in last bits. (fp8 on the bits took as many
-    # instructions as the float comparison, sm_90 listing: not used.)
-    SR16: tl.constexpr = STOCHASTIC and SR_STREAM == 2 and (DTYPE == 1 or (FOLD_SCALE and DTYPE == 5))
+    # 16-bit noise (codec.encode_sr16): bf16 on the bits exactly as the reference, int8 and fp8
+    # within the FUSED path's license to differ in last bits.
+    SR16: tl.constexpr = STOCHASTIC and SR_STREAM == 2 and (DTYPE == 1 or (FOLD_SCALE and DTYPE >= 3))
     if GRAN != 0:
         scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
     if DTYPE == 0:
