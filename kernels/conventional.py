@@ -394,11 +394,11 @@ _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 # (codec.encode_sr16; 72 registers at 16 × 128 with 2 warps) int8:row+sr took 310.8–313.7 µs at
 # 32 × 128 with 2 warps against 328.9–331.4 at 16 × 128 (16 × 128 with 1: 313.2–319.1); bf16+sr
 # 478.5–479.2 at 16 × 128 with 2 against 549 with 1 and 789 at 32 × 128 with 2; fp8_e4m3:row+sr
-# (float comparison) 442–446 at 16 × 128 with 2 against 501 at 32 × 128 and 518 at 16 × 128
-# with 1 (sweeps-2026-12-02-k.log runs 1–2).
+# with floor(q + u) in one addition (codec.encode_sr16) 345.9–346.4 at 16 × 128 with 1 warp
+# against 366.8–369.5 with 2 and 349.0–351.4 at 32 × 128 with 2 (sweeps-2026-12-02-k.log runs 1–3, 7).
 _TILE_ROWS_BY_DTYPE = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
-    (codec.INT8, True): (32, 2), (codec.FP8_E4M3, True): (16, 2),
+    (codec.INT8, True): (32, 2), (codec.FP8_E4M3, True): (16, 1),
     (codec.FP32, False): (16, 1), (codec.FP16, False): (16, 1), (codec.BF16, False): (16, 1),
     (codec.FP16, True): (16, 2), (codec.BF16, True): (16, 2),
 }
