@@ -254,10 +254,12 @@ def encode_product(v, recip, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHAS
 @triton.jit
 def encode_sr16(v, recip, r, QMAX: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
     if DTYPE == 5:
-        # t = v·recip + 384 rounded once: in [257, 511] after the clamp (the saturation; max/min
-        # return the number for a NaN: −QMAX), a multiple of 2**-15, so its low 15 mantissa bits
-        # plus 15 bits of noise carry into the integer part exactly as floor(t + u) does.
-        t = tl.minimum(tl.maximum(tl.fma(v, recip, tl.full(v.shape, 384.0, tl.float32)), 257.0), 511.0)
+        # t = v·recip + 384 rounded once: in [384 − QMAX, 384 + QMAX] = [257, 511] after the clamp
+        # (the saturation; max/min return the number for a NaN: −QMAX), a multiple of 2**-15, so
+        # its low 15 mantissa bits plus 15 bits of noise carry into the integer part exactly as
+        # floor(t + u) does.
+        t = tl.fma(v, recip, tl.full(v.shape, 384.0, tl.float32))
+        t = tl.minimum(tl.maximum(t, 384.0 - QMAX), 384.0 + QMAX)
         codes = ((t.to(tl.int32, bitcast=True) + (r >> 1) - 0x43C00000) >> 15).to(tl.int8)
     elif DTYPE == 3 or DTYPE == 4:
         MANT_BITS: tl.constexpr = 3 if DTYPE == 3 else 2

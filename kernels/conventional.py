@@ -348,14 +348,14 @@ class Variant:
 # The variant the launcher runs, by (state bytes per element, stochastic rounding); flip entries
 # to a sweep's winner. The four-word noise stream halved the time of +sr formats on the H200
 # (int8:row+sr 594 µs against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of
-# 86f85bd); eight 16-bit draws per Philox4x32-7 call cut them again (int8:row+sr 365.6 µs
-# against 502.9, fp8_e4m3:row+sr 442.4 / 572.5, fp16+sr 418.0 / 540.4, bf16+sr 586.7 / 633.0;
+# 86f85bd); eight 16-bit draws per Philox4x32-7 call cut them again (int8:row+sr 365.6 µs against
+# 502.9, fp8_e4m3:row+sr 442.4 / 572.5, fp16+sr 418.0 / 540.4, bf16+sr 586.7 / 633.0;
 # sweeps-2026-12-02-k.log run 1), and rounding int8 and bf16 on the bits once more (int8:row+sr
-# 329–331, bf16+sr 478.5–479.2; run 2). At today's 16 × 128 two-warp tile, 16-bit states with round to nearest take even + 2
-# heads per program + prefetch: fp16 298.9 µs against 331.0 for the plain path (H200 sweep of
-# d0c2baa, sweep-conventional-d0c2baa.json), and 320.4 against 331.6 (bf16 318.7 / 336.1) in
-# the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among head counts moves
-# between machines, the gain over the plain path does not (bench/README.md).
+# 329–331, bf16+sr 478.5–479.2; run 2). At today's 16 × 128 two-warp tile, 16-bit states with
+# round to nearest take even + 2 heads per program + prefetch: fp16 298.9 µs against 331.0 for the
+# plain path (H200 sweep of d0c2baa, sweep-conventional-d0c2baa.json), and 320.4 against 331.6
+# (bf16 318.7 / 336.1) in the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among
+# head counts moves between machines, the gain over the plain path does not (bench/README.md).
 DEFAULT_VARIANTS = {
     (4, False): Variant(),
     (2, False): Variant(even=True, heads_per_prog=2, prefetch=True),
