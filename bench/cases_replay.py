@@ -75,7 +75,7 @@ CHECK_SHAPE = dict(nheads=32, headdim=64, dstate=128, ngroups=2)  # 16 heads per
 CHECK_COMBOS = [(torch.float32, ck, rd) for ck, rd in (
     ("fp32", None), ("fp32", "fp8_e4m3:row"), ("bf16", "fp8_e4m3:row"), ("fp32", "int8:row"), ("fp32", "fp8_e5m2:row"),
     ("fp32", "int8:head"), ("fp32", "fp8_e4m3:block32"), ("fp16", "bf16"), ("int8:row", "fp16"),
-    ("fp8_e4m3:row", None), ("bf16+sr", None))] + [
+    ("fp8_e4m3:row", None), ("bf16+sr", None), ("bf16+sr", "fp8_e4m3:row"), ("fp16+sr", "int8:row"))] + [
     (torch.bfloat16, ck, rd) for ck, rd in (("fp32", None), ("fp32", "fp8_e4m3:row"), ("bf16", "fp8_e4m3:row"))]
 
 

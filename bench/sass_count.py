@@ -4,7 +4,7 @@ with cuobjdump. The replay step, the verify and the conventional 8/16-bit kernel
 instruction issue on the H200 (bench/README.md, "Where the time goes"), so this count ranks
 tiles before a GPU run; the GPU sweep decides.
 
-    python3 -m bench.sass_count replay --read fp8_e4m3:row
+    python3 -m bench.sass_count replay --read fp8_e4m3:row [--checkpoint bf16+sr]
     python3 -m bench.sass_count verify --read fp8_e4m3:row --set qstate.kernels.speculative.VERIFY_TILE="{...}"
     python3 -m bench.sass_count conventional --format int8:row
 
@@ -35,7 +35,7 @@ from .breakdown import set_constant  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8",
           torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
-_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 BATCH = 256
 
@@ -114,12 +114,12 @@ def _bf16(*shape):
     return torch.randn(*shape, dtype=torch.bfloat16)
 
 
-def launch_replay(read):
+def launch_replay(read, checkpoint="fp32"):
     from qstate.cache import ReplayCache
     from qstate.kernels import replay
     launches = record(replay, ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"])
     H, P, N, G = LAYER.values()
-    cache = ReplayCache.allocate(BATCH, H, P, N, G, ring_len=16, read=read, device="cpu")
+    cache = ReplayCache.allocate(BATCH, H, P, N, G, ring_len=16, checkpoint=checkpoint, read=read, device="cpu")
     t = cache.tensors()
     for heads_per_program in (0, replay.DEFAULT_HEADS_PER_PROGRAM):
         replay.launch_replay_decode(
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=("replay", "verify", "conventional"))
     parser.add_argument("--read", default="fp8_e4m3:row", help="read copy of replay/verify ('none': none)")
+    parser.add_argument("--checkpoint", default="fp32", help="checkpoint format of replay")
     parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     parser.add_argument("--mix", type=int, default=0, help="also print the N most frequent instructions")
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     for assignment in args.set:
         set_constant(assignment)
     read = None if args.read == "none" else args.read
-    launches = {"replay": lambda: launch_replay(read), "verify": lambda: launch_verify(read),
+    launches = {"replay": lambda: launch_replay(read, args.checkpoint), "verify": lambda: launch_verify(read),
                 "conventional": lambda: launch_conventional(args.format)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)

@@ -137,7 +137,12 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
     base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
     inner = rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
     if STOCHASTIC:
-        u = codec.uniform(seed, h * headdim * dstate + inner)
+        # The conventional kernel's +sr noise: 16 bits per element, one Philox4x32-7 call per
+        # eight elements of a row (codec.noise8), keyed by the element's row and octet.
+        octets = tl.arange(0, BLOCK_N // 8)
+        counter = ((h * headdim + rows)[:, None] * ((dstate + 7) // 8) + octets[None, :]).to(tl.int32)
+        noise = codec.noise8(seed, counter)  # [BLOCK_P, BLOCK_N]
+        u = codec.uniform16(noise)
     else:
         u = 0.0
     if DTYPE == 0:
@@ -145,6 +150,10 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
         # clamp to ±FLT_MAX, which was two instructions per element of the flush loop.
         codes = values
         stored = values
+    elif GRAN == 0 and STOCHASTIC and DTYPE == 1:
+        # bf16 rounds on the bits (codec.encode_sr16), and its codes are the top halves of fp32s.
+        codes = codec.encode_sr16(values, 1.0, noise, QMAX, DTYPE, HW)
+        stored = (codes.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     elif GRAN == 0:
         saturated = codec.saturate(values, QMAX)
         codes = codec.encode(saturated, u, DTYPE, STOCHASTIC, HW)
@@ -462,7 +471,7 @@ def _replay_flush_kernel(
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
         _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
                         z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
-        # Stochastic rounding: one Philox stream per (slot, flush), element position as counter.
+        # Stochastic rounding: one Philox stream per (slot, flush), the element's row and octet as counter.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
         stored = _store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
                               NHEADS, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)

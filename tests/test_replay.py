@@ -409,6 +409,44 @@ def test_fp32_checkpoint_keeps_inf_as_the_reference_stores_it(step_kernel):
     assert torch.equal(cache.checkpoint[0], clean.checkpoint[0])
 
 
+@pytest.mark.parametrize("checkpoint", ["bf16+sr", "fp16+sr"])
+def test_stochastic_checkpoint_is_unbiased_and_keyed_by_seed_and_slot(checkpoint):
+    """A 1-token ring flushes at every step. Two slots with equal checkpoints and equal inputs
+    round their new checkpoints with different noise, two caches with one seed identically, and
+    the rounding error in grid steps, ``e = (stored − exact) / step``, stays within one step and
+    averages 0 over the elements whose exact value lies 0.1–0.4 of a step above a code (round to
+    nearest gives about −0.25 there). Each such ``e`` lies in (−1, 1) with sd ≤ 1/2, so the mean
+    over the ~2,400 of them has sd ≤ 0.011; we allow 0.05."""
+    shape = dict(batch=2, nheads=4, headdim=16, dstate=64, ngroups=1)
+    fmt = StateFormat.parse(checkpoint)
+    inp = make_inputs(1, *shape.values(), seed=12)
+    for name in ("x", "dt", "B", "C", "z"):
+        inp[name][:, 1] = inp[name][:, 0]
+    # On the format's grid, so that reset (which rounds stochastically too) stores it as it is.
+    state = dequantize(quantize(random_states(4, 16, 64)([0]), StateFormat.parse(fmt.dtype)))
+    state = state.expand(2, -1, -1, -1)
+    caches = []
+    for _ in range(2):
+        cache = new_cache(**shape, ring_len=1, checkpoint=checkpoint)
+        cache.reset([0, 1], state)
+        start = cache.checkpoint_values([0, 1])
+        replay_decode(cache, **step_args(inp, 0), dt_softplus=True)
+        caches.append(cache)
+    assert torch.equal(start[0], start[1]) and torch.equal(start, state)
+    assert torch.equal(caches[0].checkpoint, caches[1].checkpoint), "one seed, one rounding"
+    got = caches[0].checkpoint_values([0, 1]).double()
+    assert not torch.equal(got[0], got[1]), "the slot keys the noise"
+    args = {k: inp[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")}
+    _, exact = reference.decode_exact(start, **args, dt_softplus=True)
+    step = grid_step(exact, fmt)
+    e = (got - exact) / step
+    frac = exact / step - torch.floor(exact / step)
+    between = (frac > 0.1) & (frac < 0.4)
+    assert e.abs().max() < 1
+    assert between.sum() > 2000
+    assert abs(e[between].mean().item()) < 0.05
+
+
 def test_stale_ring_tokens_past_the_cursor_do_not_reach_outputs(step_kernel):
     """The step kernels load ring positions past the cursor (so the loads need not wait for it)
     and select them away: NaN there changes no output and no state."""
