@@ -293,6 +293,7 @@ def timing_cases(device, layer=LAYER):
                     cycle_case(batch, "fp32", "fp8_e4m3:row", 16, name, device, layer=layer)]
         out += [cycle_case(256, "fp32", "fp8_e4m3:row", 16, name, device, phase="staggered", layer=layer),
                 cycle_case(256, "bf16", "fp8_e4m3:row", 16, name, device, layer=layer),
+                cycle_case(256, "bf16+sr", "fp8_e4m3:row", 16, name, device, layer=layer),
                 cycle_case(256, "fp32", "int8:row", 16, name, device, layer=layer),
                 cycle_case(256, "fp32", "fp8_e4m3:row", 8, name, device, layer=layer),
                 cycle_case(256, "fp32", "fp8_e4m3:row", 32, name, device, layer=layer)]
