@@ -1,5 +1,5 @@
-"""Shared GPU benchmark harness: CUDA-graph timing with a cold L2, a copy ceiling measured in the
-same run, and JSON / markdown writers.
+"""Shared GPU benchmark harness: CUDA-graph timing with a cold L2, copy and read-only ceilings
+measured in the same run, and JSON / markdown writers.
 
 A *case* is built by a function registered with :func:`register` under a group name (one module
 per op: ``bench/cases_conventional.py``, ``bench/cases_replay.py``, ...). A builder takes the
@@ -163,6 +163,26 @@ def copy_ceiling_gbs(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / (min(us_torch, us_triton) * 1e-6) / 1e9
 
 
+@triton.jit
+def _read_kernel(src_ptr, sums_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(sums_ptr + tl.program_id(0), tl.sum(tl.load(src_ptr + offsets, mask=offsets < n, other=0.0), axis=0))
+
+
+def read_ceiling_gbs(device: torch.device, nbytes: int = 2**31) -> float:
+    """Bandwidth of reading alone (bytes read per second), in GB/s: a Triton kernel whose
+    programs each sum 32 KB, the better of two block sizes. What a read-only kernel (a replay
+    normal step) can reach; on the H200 about 14 % above the copy ceiling (bench/README.md)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    n = src.numel()
+    best = float("inf")
+    for block, warps in ((8192, 4), (16384, 8)):
+        sums = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=device)
+        best = min(best, _graph_time_us(
+            lambda: _read_kernel[(triton.cdiv(n, block),)](src, sums, n, BLOCK=block, num_warps=warps), 1, replays=30))
+    return nbytes / (best * 1e-6) / 1e9
+
+
 def eager_us(fn: Callable[[], None], iters: int = 200, rounds: int = 5) -> float:
     """Wall µs per call of ``fn`` called back to back without graphs (host-bound at batch 1):
     the median over ``rounds`` rounds of ``iters`` calls (a host's other work moves single
@@ -208,7 +228,8 @@ def markdown_table(payload: dict) -> str:
     lines = [
         f"Run {env['date']} on {env['gpu']}, commit {env['commit']} (torch {env['torch']}, triton {env['triton']}),",
         f"command `{payload['command']}`. Copy ceiling measured in the same run: "
-        f"{payload['copy_ceiling_gbs']:.0f} GB/s (read + write).",
+        f"{payload['copy_ceiling_gbs']:.0f} GB/s (read + write)"
+        + (f"; reading alone: {payload['read_ceiling_gbs']:.0f} GB/s." if "read_ceiling_gbs" in payload else "."),
         "",
         "| op | model | batch | format | inputs | µs | MB moved | GB/s | % of copy |",
         "|---|---|---|---|---|---|---|---|---|",

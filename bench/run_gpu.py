@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                     print("  ", row, flush=True)
 
     ceiling = harness.copy_ceiling_gbs(device)
-    print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
+    read_ceiling = harness.read_ceiling_gbs(device)
+    print(f"copy ceiling {ceiling:.0f} GB/s, reading alone {read_ceiling:.0f} GB/s", flush=True)
     all_cases = harness.cases(device, groups)
     if args.only:
         all_cases = [c for c in all_cases if any(part in c.name for part in args.only.split(","))]
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     for group, rows in by_group.items():
-        payload = dict(key=group, environment=env, command=command, copy_ceiling_gbs=ceiling, results=rows,
+        payload = dict(key=group, environment=env, command=command, copy_ceiling_gbs=ceiling,
+                       read_ceiling_gbs=read_ceiling, results=rows,
                        checks=checks, eager=extras, failures=failures)
         path = os.path.join(args.out, f"{group}.json")
         harness.write_json(path, payload)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench import breakdown
 from qstate.kernels import speculative
@@ -88,3 +89,20 @@ def test_gpu_check_covers_the_prefetching_launch():
                                                 prof.nheads, prof.nheads // prof.ngroups, True, fmt.stochastic,
                                                 codec.dtype_code(fmt))
             assert config[3] == conventional.PREFETCH_CONFIGS[(codec.dtype_code(fmt), fmt.stochastic)][2]
+
+
+def test_read_kernel_sums_each_block_and_the_table_names_the_read_ceiling():
+    """harness._read_kernel (the read ceiling's kernel) sums each block, the ragged last one
+    included; a run's table states the read ceiling when its JSON has one (older JSONs do not)."""
+    import triton
+
+    from bench import harness
+
+    src = torch.arange(10, dtype=torch.float32)
+    sums = torch.full((3,), float("nan"))
+    harness._read_kernel[(3,)](src, sums, 10, BLOCK=4)
+    assert sums.tolist() == [6.0, 22.0, 17.0]
+    payload = dict(environment=dict(date="d", gpu="g", commit="c", torch="t", triton=triton.__version__),
+                   command="cmd", copy_ceiling_gbs=4060.0, results=[])
+    assert "reading alone" not in harness.markdown_table(payload)
+    assert "reading alone: 4650 GB/s" in harness.markdown_table(dict(payload, read_ceiling_gbs=4650.0))
