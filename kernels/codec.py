@@ -33,6 +33,10 @@ In-kernel functions:
   call (each 32-bit word split in two halves): ``counter`` is ``[R, K]`` and the result
   ``[R, 8K]``, column ``8k + 2i + h`` taking half ``h`` (0: the low 16 bits) of word ``i`` of
   counter ``k``'s draw.
+* ``row_noise8(seed, element_rows, dstate, BLOCK_N, N_ROUNDS=7) -> int32``: ``noise8`` of the
+  elements of whole state rows, ``[R, BLOCK_N]``: row ``r``'s octet ``k`` (its columns
+  ``8k .. 8k + 7``) takes the counter ``element_rows[r] · ceil(dstate / 8) + k``. The stream
+  of every ``+sr`` state store (conventional kernel, replay and speculative flushes).
 * ``uniform16(noise) -> fp32``: u = ``noise · 2**-16`` in [0, 1) of ``noise8``'s noise. Another
   stream than ``uniform4``'s; 16 bits of noise against 24 move a rounding's probability by
   less than 2**-16.
@@ -148,6 +152,13 @@ def noise8(seed, counter, N_ROUNDS: tl.constexpr = 7):
     words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [counter.shape[0], counter.shape[1] * 4])
     halves = tl.join(words & 0xFFFF, words >> 16)  # [R, 4K, 2]: column 4k + i of words is word i
     return tl.reshape(halves, [counter.shape[0], counter.shape[1] * 8]).to(tl.int32)
+
+
+@triton.jit
+def row_noise8(seed, element_rows, dstate, BLOCK_N: tl.constexpr, N_ROUNDS: tl.constexpr = 7):
+    octets = tl.arange(0, BLOCK_N // 8)
+    counter = (element_rows[:, None] * ((dstate + 7) // 8) + octets[None, :]).to(tl.int32)  # [R, BLOCK_N // 8]
+    return noise8(seed, counter, N_ROUNDS)  # [R, BLOCK_N]
 
 
 @triton.jit

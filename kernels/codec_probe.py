@@ -37,9 +37,7 @@ def _quantize_heads_kernel(
             counter = (head * headdim + rows[:, None]) * ((dstate + 3) // 4) + quads[None, :]  # [BLOCK_P, BLOCK_N // 4]
             u = codec.uniform4(seed, counter, SR_ROUNDS)
         else:
-            octets = tl.arange(0, BLOCK_N // 8)
-            counter = (head * headdim + rows[:, None]) * ((dstate + 7) // 8) + octets[None, :]  # [BLOCK_P, BLOCK_N // 8]
-            noise = codec.noise8(seed, counter, SR_ROUNDS)
+            noise = codec.row_noise8(seed, head * headdim + rows, dstate, BLOCK_N, SR_ROUNDS)
             u = codec.uniform16(noise)
         tl.store(noise_ptr + offsets, u, mask=mask)
     else:

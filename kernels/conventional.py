@@ -156,9 +156,7 @@ def _update_head(
             counter = (element_rows[:, None] * ((dstate + 3) // 4) + quads[None, :]).to(tl.int32)
             u = codec.uniform4(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
         else:
-            octets = tl.arange(0, BLOCK_N // 8)
-            counter = (element_rows[:, None] * ((dstate + 7) // 8) + octets[None, :]).to(tl.int32)
-            noise = codec.noise8(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
+            noise = codec.row_noise8(seed, element_rows, dstate, BLOCK_N, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
             u = codec.uniform16(noise)
     else:
         u = 0.0

@@ -137,11 +137,9 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
     base = (slot.to(tl.int64) * nheads + h) * headdim * dstate
     inner = rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
     if STOCHASTIC:
-        # The conventional kernel's +sr noise: 16 bits per element, one Philox4x32-7 call per
-        # eight elements of a row (codec.noise8), keyed by the element's row and octet.
-        octets = tl.arange(0, BLOCK_N // 8)
-        counter = ((h * headdim + rows)[:, None] * ((dstate + 7) // 8) + octets[None, :]).to(tl.int32)
-        noise = codec.noise8(seed, counter)  # [BLOCK_P, BLOCK_N]
+        # The conventional kernel's +sr noise (16 bits per element), keyed by the element's row
+        # and octet; the slot and its generation are in the seed.
+        noise = codec.row_noise8(seed, h * headdim + rows, dstate, BLOCK_N)  # [BLOCK_P, BLOCK_N]
         u = codec.uniform16(noise)
     else:
         u = 0.0
