@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import qstate  # noqa: E402
 from qstate import profiles  # noqa: E402
 from qstate.kernels import conventional, replay  # noqa: E402
+from qstate.kernels.launch import replace_kernel  # noqa: E402
 
 _KERNELS = {conventional: ["_conventional_kernel"],
             replay: ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"]}
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for module, names in _KERNELS.items():
         for name in names:
-            setattr(module, name, _NoLaunch())
+            replace_kernel(module, name, _NoLaunch())
     torch.set_num_threads(1)
     prof = profiles.get("nemotron-h-8b")
     H, P, N, G = prof.nheads, prof.headdim, prof.dstate, prof.ngroups

@@ -31,6 +31,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from qstate.kernels.launch import replace_kernel  # noqa: E402
+
 from .breakdown import set_constant  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8",
@@ -57,7 +59,7 @@ def record(module, names):
         module.register_cap = lambda maxnreg, device: {"maxnreg": maxnreg} if maxnreg else {}
     launches = []
     for name in names:
-        setattr(module, name, _Recorder(getattr(module, name), name, launches))
+        replace_kernel(module, name, _Recorder(getattr(module, name), name, launches))
     return launches
 
 
@@ -81,6 +83,8 @@ def compile_sm90(kernel, args, kwargs):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[name] = "i1"
+        elif isinstance(value, int) and kernel.params[i].do_not_specialize:
+            signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
         elif isinstance(value, int):
             # Triton specializes 1 and multiples of 16 the same way when it launches.
             if value == 1:

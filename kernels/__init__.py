@@ -9,3 +9,5 @@ def clear_launch_plans() -> None:
 
     conventional._plan.cache_clear()
     replay._plan.cache_clear()
+    for launch in (conventional._launch, replay._launch_step, replay._launch_step_grouped, replay._launch_flush):
+        launch.clear()

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import codec, pdl, sizes
+from .launch import CompiledLaunch
 from .softplus import softplus
 
 OUT_FP32 = 0
@@ -220,7 +221,8 @@ def _update_head(
     _store(state_tile, codes, tile_mask)
 
 
-@triton.jit
+# seed: not specialized on its value, so that a fresh seed per call reuses the compiled kernel.
+@triton.jit(do_not_specialize=["seed"])
 def _conventional_kernel(
     state_ptr, scale_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr,
     slot_ptr, out_ptr, seed_ptr, seed,
@@ -453,6 +455,12 @@ def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: in
     return block_p, block_n, num_warps, variant
 
 
+# Eager GPU calls after the first of a call signature launch the compiled kernel directly
+# (kernels/launch.py); False: every call through ``kernel[grid]``.
+COMPILED_LAUNCHES = True
+_launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """What a launch takes besides the tensors and their strides: the grid and the constexprs."""
@@ -528,12 +536,11 @@ def launch(
     x_strides, dt_strides, B_strides, C_strides = x.stride(), dt.stride(), B.stride(), C.stride()
     z_strides = z.stride() if z is not None else (0, 0)
     out_strides = out.stride()
-    _conventional_kernel[plan.grid](
+    _launch(plan.grid, (
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices,
         out.view(torch.int16) if out_code == OUT_BF16 else out, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,
         state_strides[0], state_strides[1], state_strides[2], *scale_strides,
         x_strides[0], x_strides[1], dt_strides[0], dt_strides[1], B_strides[0], B_strides[1], C_strides[0],
         C_strides[1], z_strides[0], z_strides[1], out_strides[0], out_strides[1],
-        **plan.constexprs,
-    )
+    ), plan.constexprs, COMPILED_LAUNCHES and state.is_cuda)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import codec, exact_dot, gpu, pdl, sizes
+from .launch import CompiledLaunch
 from .gate import gate
 from .softplus import softplus
 
@@ -577,6 +578,14 @@ FLUSH_MAXNREG = {False: 168, True: 128}
 FLUSH_STAGES = {False: 3, True: None}
 
 
+# Eager GPU calls after the first of a call signature launch the compiled kernels directly
+# (kernels/launch.py); False: every call through ``kernel[grid]``.
+COMPILED_LAUNCHES = True
+_launch_step = CompiledLaunch(_replay_step_kernel)
+_launch_step_grouped = CompiledLaunch(_replay_step_grouped_kernel)
+_launch_flush = CompiledLaunch(_replay_flush_kernel)
+
+
 def default_heads_per_program(batch: int) -> int:
     """The step kernel the launcher picks when not told: the grouped kernel's
     ``DEFAULT_HEADS_PER_PROGRAM`` from ``GROUPED_MIN_BATCH`` rows up, else 0 (one head per program)."""
@@ -707,17 +716,18 @@ def launch_replay_decode(
         x_strides[0], x_strides[1], dt.stride(0), B_strides[0], B_strides[1], C_strides[0], C_strides[1],
         z_strides[0], z_strides[1], out_strides[0], out_strides[1],
     )
+    compiled = COMPILED_LAUNCHES and x.is_cuda
     if plan.grouped:
-        _replay_step_grouped_kernel[plan.step_grid](*step_args, num_slots, nheads, **plan.step_constexprs)
+        _launch_step_grouped(plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs, compiled)
     else:
-        _replay_step_kernel[plan.step_grid](*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1],
-                                           **plan.step_constexprs)
-    _replay_flush_kernel[plan.flush_grid](
+        _launch_step(plan.step_grid, (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1]),
+                     plan.step_constexprs, compiled)
+    _launch_flush(plan.flush_grid, (
         x, A, C, D_arg, z_arg, slots_arg, out,
         codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
         codec.storage_view(read, read_format) if has_read else dummy,
         read_scale if read_scale is not None else dummy,
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
         x_strides[0], x_strides[1], C_strides[0], C_strides[1], z_strides[0], z_strides[1],
-        out_strides[0], out_strides[1], batch, num_slots, headdim, B.shape[2], **plan.flush_constexprs,
-    )
+        out_strides[0], out_strides[1], batch, num_slots, headdim, B.shape[2],
+    ), plan.flush_constexprs, compiled)

@@ -1,0 +1,131 @@
+"""kernels/launch.py: which calls reuse a compiled kernel's launcher, and with which arguments.
+
+A stand-in kernel records what Triton would be asked: ``kernel[grid](*args, **constexprs)``
+(binding and, on a miss, compiling) or the compiled kernel's ``[grid](*all_args)``."""
+
+import inspect
+import types
+
+import pytest
+import torch
+
+from qstate.kernels import launch
+
+
+def _params(a_ptr, b_ptr, n, seed, BLOCK, FLAG=True):
+    """The stand-in kernel's parameters: two pointers, two ints, two constexprs (one defaulted)."""
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("compiled", grid, args))
+
+
+class _Kernel:
+    def __init__(self):
+        self.log = []
+        self.arg_names = list(inspect.signature(_params).parameters)
+        self.signature = inspect.signature(_params)
+
+    def __getitem__(self, grid):
+        def bind(*args, **kwargs):
+            self.log.append(("bind", grid, args, kwargs))
+            return _Compiled(self.log)
+        return bind
+
+
+@pytest.fixture
+def kernel():
+    return _Kernel()
+
+
+def _args(a=None, b=None, n=64, seed=5):
+    a = torch.zeros(8) if a is None else a
+    b = torch.zeros(8, dtype=torch.int32) if b is None else b
+    return (a, b, n, seed)
+
+
+CONSTEXPRS = dict(BLOCK=32, num_warps=4, launch_pdl=True)
+
+
+def test_first_call_binds_later_calls_take_the_compiled_launcher(kernel):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    args = _args()
+    run((3, 1), args, CONSTEXPRS, compiled=True)
+    run((3, 1), args, CONSTEXPRS, compiled=True)
+    assert kernel.log[0] == ("bind", (3, 1), args, CONSTEXPRS)
+    # Every parameter in order: the call's arguments, then the constexprs (launch options
+    # dropped, defaults filled in).
+    assert kernel.log[1] == ("compiled", (3, 1, 1), (*args, 32, True))
+    assert len(kernel.log) == 2
+
+
+@pytest.mark.parametrize("change", ["dtype", "alignment", "int value", "grid", "plan", "volatile type"])
+def test_anything_triton_specializes_on_binds_again(kernel, change):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    grid, constexprs, args = (3, 1), CONSTEXPRS, _args()
+    if change == "dtype":
+        args = _args(a=torch.zeros(8, dtype=torch.float16))
+    elif change == "alignment":
+        args = _args(b=torch.zeros(9, dtype=torch.int32)[1:])  # 4 bytes past a 16-byte boundary
+    elif change == "int value":
+        args = _args(n=65)
+    elif change == "grid":
+        grid = (4, 1)
+    elif change == "plan":
+        constexprs = dict(CONSTEXPRS)  # another launch plan: equal values, another object
+    else:
+        args = _args(seed=2**31)  # an i64 where the first call had an i32
+    run(grid, args, constexprs, compiled=True)
+    assert [entry[0] for entry in kernel.log] == ["bind", "bind"]
+
+
+def test_a_volatile_argument_keeps_the_compiled_kernel(kernel):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    for seed in (5, 1, 16, 2**31 - 1):  # values Triton would specialize on, were it allowed to
+        run((3, 1), _args(seed=seed), CONSTEXPRS, compiled=True)
+    assert [entry[0] for entry in kernel.log] == ["bind", "compiled", "compiled", "compiled"]
+    assert [entry[2][3] for entry in kernel.log[1:]] == [1, 16, 2**31 - 1]
+
+
+def test_a_non_volatile_seed_binds_per_value(kernel):
+    run = launch.CompiledLaunch(kernel)
+    run((3, 1), _args(seed=5), CONSTEXPRS, compiled=True)
+    run((3, 1), _args(seed=6), CONSTEXPRS, compiled=True)
+    assert [entry[0] for entry in kernel.log] == ["bind", "bind"]
+
+
+def test_not_compiled_always_binds(kernel):
+    run = launch.CompiledLaunch(kernel)
+    for _ in range(3):
+        run((3, 1), _args(), CONSTEXPRS, compiled=False)
+    assert [entry[0] for entry in kernel.log] == ["bind"] * 3
+
+
+def test_clear_and_the_signature_bound(kernel, monkeypatch):
+    run = launch.CompiledLaunch(kernel)
+    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    run.clear()
+    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    monkeypatch.setattr(launch, "MAX_SIGNATURES", 2)
+    run((3, 1), _args(n=1), CONSTEXPRS, compiled=True)  # second entry
+    run((3, 1), _args(n=2), CONSTEXPRS, compiled=True)  # table full: starts again
+    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    assert [entry[0] for entry in kernel.log] == ["bind"] * 5
+    assert len(run._launchers) == 2
+
+
+def test_replace_kernel_swaps_the_module_attribute_and_its_launch(kernel):
+    module = types.ModuleType("kernels_under_test")
+    module._k = kernel
+    module._launch = launch.CompiledLaunch(kernel)
+    module._launch((3, 1), _args(), CONSTEXPRS, compiled=True)
+    other = _Kernel()
+    launch.replace_kernel(module, "_k", other)
+    module._launch((3, 1), _args(), CONSTEXPRS, compiled=True)
+    assert module._k is other and module._launch.kernel is other
+    assert [entry[0] for entry in other.log] == ["bind"]
