@@ -455,9 +455,7 @@ def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: in
     return block_p, block_n, num_warps, variant
 
 
-# Eager GPU calls after the first of a call signature launch the compiled kernel directly
-# (kernels/launch.py); False: every call through ``kernel[grid]``.
-COMPILED_LAUNCHES = True
+# Eager GPU launches through the compiled kernel (kernels/launch.py).
 _launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
 
 
@@ -543,4 +541,4 @@ def launch(
         state_strides[0], state_strides[1], state_strides[2], *scale_strides,
         x_strides[0], x_strides[1], dt_strides[0], dt_strides[1], B_strides[0], B_strides[1], C_strides[0],
         C_strides[1], z_strides[0], z_strides[1], out_strides[0], out_strides[1],
-    ), plan.constexprs, COMPILED_LAUNCHES and state.is_cuda)
+    ), plan.constexprs, state.is_cuda)

@@ -21,6 +21,9 @@ from typing import Sequence
 
 import torch
 
+# Eager GPU calls after the first of a call signature launch the compiled kernel directly;
+# False: every call through ``kernel[grid]``.
+ENABLED = True
 # Entries kept per kernel before the table starts again (call signatures come from shapes and
 # strides, so a serving engine meets few; the bound only keeps a pathological caller finite).
 MAX_SIGNATURES = 4096
@@ -34,8 +37,9 @@ def _integer_type(value: int) -> str:
 
 
 class CompiledLaunch:
-    """``launch(grid, args, constexprs, compiled)``: ``kernel[grid](*args, **constexprs)``, through
-    the kernel's compiled launcher once the call signature has been seen (``compiled`` True)."""
+    """``launch(grid, args, constexprs, on_gpu)``: ``kernel[grid](*args, **constexprs)``, through
+    the kernel's compiled launcher once the call signature has been seen (``on_gpu`` and
+    ``ENABLED``)."""
 
     def __init__(self, kernel, volatile: Sequence[str] = ()):
         self.kernel = kernel
@@ -56,8 +60,8 @@ class CompiledLaunch:
                 key.append((type(value), value))
         return tuple(key)
 
-    def __call__(self, grid, args: Sequence, constexprs: dict, compiled: bool) -> None:
-        if not compiled:
+    def __call__(self, grid, args: Sequence, constexprs: dict, on_gpu: bool) -> None:
+        if not (ENABLED and on_gpu):
             self.kernel[grid](*args, **constexprs)
             return
         signature = self._signature(grid, args, constexprs)

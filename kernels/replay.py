@@ -578,9 +578,7 @@ FLUSH_MAXNREG = {False: 168, True: 128}
 FLUSH_STAGES = {False: 3, True: None}
 
 
-# Eager GPU calls after the first of a call signature launch the compiled kernels directly
-# (kernels/launch.py); False: every call through ``kernel[grid]``.
-COMPILED_LAUNCHES = True
+# Eager GPU launches through the compiled kernels (kernels/launch.py).
 _launch_step = CompiledLaunch(_replay_step_kernel)
 _launch_step_grouped = CompiledLaunch(_replay_step_grouped_kernel)
 _launch_flush = CompiledLaunch(_replay_flush_kernel)
@@ -716,12 +714,12 @@ def launch_replay_decode(
         x_strides[0], x_strides[1], dt.stride(0), B_strides[0], B_strides[1], C_strides[0], C_strides[1],
         z_strides[0], z_strides[1], out_strides[0], out_strides[1],
     )
-    compiled = COMPILED_LAUNCHES and x.is_cuda
+    on_gpu = x.is_cuda
     if plan.grouped:
-        _launch_step_grouped(plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs, compiled)
+        _launch_step_grouped(plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs, on_gpu)
     else:
         _launch_step(plan.step_grid, (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1]),
-                     plan.step_constexprs, compiled)
+                     plan.step_constexprs, on_gpu)
     _launch_flush(plan.flush_grid, (
         x, A, C, D_arg, z_arg, slots_arg, out,
         codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
@@ -730,4 +728,4 @@ def launch_replay_decode(
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
         x_strides[0], x_strides[1], C_strides[0], C_strides[1], z_strides[0], z_strides[1],
         out_strides[0], out_strides[1], batch, num_slots, headdim, B.shape[2],
-    ), plan.flush_constexprs, compiled)
+    ), plan.flush_constexprs, on_gpu)

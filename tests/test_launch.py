@@ -54,8 +54,8 @@ CONSTEXPRS = dict(BLOCK=32, num_warps=4, launch_pdl=True)
 def test_first_call_binds_later_calls_take_the_compiled_launcher(kernel):
     run = launch.CompiledLaunch(kernel, volatile=("seed",))
     args = _args()
-    run((3, 1), args, CONSTEXPRS, compiled=True)
-    run((3, 1), args, CONSTEXPRS, compiled=True)
+    run((3, 1), args, CONSTEXPRS, on_gpu=True)
+    run((3, 1), args, CONSTEXPRS, on_gpu=True)
     assert kernel.log[0] == ("bind", (3, 1), args, CONSTEXPRS)
     # Every parameter in order: the call's arguments, then the constexprs (launch options
     # dropped, defaults filled in).
@@ -66,7 +66,7 @@ def test_first_call_binds_later_calls_take_the_compiled_launcher(kernel):
 @pytest.mark.parametrize("change", ["dtype", "alignment", "int value", "grid", "plan", "volatile type"])
 def test_anything_triton_specializes_on_binds_again(kernel, change):
     run = launch.CompiledLaunch(kernel, volatile=("seed",))
-    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    run((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     grid, constexprs, args = (3, 1), CONSTEXPRS, _args()
     if change == "dtype":
         args = _args(a=torch.zeros(8, dtype=torch.float16))
@@ -80,41 +80,41 @@ def test_anything_triton_specializes_on_binds_again(kernel, change):
         constexprs = dict(CONSTEXPRS)  # another launch plan: equal values, another object
     else:
         args = _args(seed=2**31)  # an i64 where the first call had an i32
-    run(grid, args, constexprs, compiled=True)
+    run(grid, args, constexprs, on_gpu=True)
     assert [entry[0] for entry in kernel.log] == ["bind", "bind"]
 
 
 def test_a_volatile_argument_keeps_the_compiled_kernel(kernel):
     run = launch.CompiledLaunch(kernel, volatile=("seed",))
     for seed in (5, 1, 16, 2**31 - 1):  # values Triton would specialize on, were it allowed to
-        run((3, 1), _args(seed=seed), CONSTEXPRS, compiled=True)
+        run((3, 1), _args(seed=seed), CONSTEXPRS, on_gpu=True)
     assert [entry[0] for entry in kernel.log] == ["bind", "compiled", "compiled", "compiled"]
     assert [entry[2][3] for entry in kernel.log[1:]] == [1, 16, 2**31 - 1]
 
 
 def test_a_non_volatile_seed_binds_per_value(kernel):
     run = launch.CompiledLaunch(kernel)
-    run((3, 1), _args(seed=5), CONSTEXPRS, compiled=True)
-    run((3, 1), _args(seed=6), CONSTEXPRS, compiled=True)
+    run((3, 1), _args(seed=5), CONSTEXPRS, on_gpu=True)
+    run((3, 1), _args(seed=6), CONSTEXPRS, on_gpu=True)
     assert [entry[0] for entry in kernel.log] == ["bind", "bind"]
 
 
 def test_not_compiled_always_binds(kernel):
     run = launch.CompiledLaunch(kernel)
     for _ in range(3):
-        run((3, 1), _args(), CONSTEXPRS, compiled=False)
+        run((3, 1), _args(), CONSTEXPRS, on_gpu=False)
     assert [entry[0] for entry in kernel.log] == ["bind"] * 3
 
 
 def test_clear_and_the_signature_bound(kernel, monkeypatch):
     run = launch.CompiledLaunch(kernel)
-    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    run((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     run.clear()
-    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    run((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     monkeypatch.setattr(launch, "MAX_SIGNATURES", 2)
-    run((3, 1), _args(n=1), CONSTEXPRS, compiled=True)  # second entry
-    run((3, 1), _args(n=2), CONSTEXPRS, compiled=True)  # table full: starts again
-    run((3, 1), _args(), CONSTEXPRS, compiled=True)
+    run((3, 1), _args(n=1), CONSTEXPRS, on_gpu=True)  # second entry
+    run((3, 1), _args(n=2), CONSTEXPRS, on_gpu=True)  # table full: starts again
+    run((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     assert [entry[0] for entry in kernel.log] == ["bind"] * 5
     assert len(run._launchers) == 2
 
@@ -123,9 +123,9 @@ def test_replace_kernel_swaps_the_module_attribute_and_its_launch(kernel):
     module = types.ModuleType("kernels_under_test")
     module._k = kernel
     module._launch = launch.CompiledLaunch(kernel)
-    module._launch((3, 1), _args(), CONSTEXPRS, compiled=True)
+    module._launch((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     other = _Kernel()
     launch.replace_kernel(module, "_k", other)
-    module._launch((3, 1), _args(), CONSTEXPRS, compiled=True)
+    module._launch((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     assert module._k is other and module._launch.kernel is other
     assert [entry[0] for entry in other.log] == ["bind"]
