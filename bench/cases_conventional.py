@@ -58,7 +58,7 @@ def run_public(buffers, fmt_text, seed=1):
     )
 
 
-def run_launcher(buffers, fmt, block_p=None, num_warps=None, variant=None):
+def run_launcher(buffers, fmt, block_p=None, num_warps=None, variant=None, maxnreg=None):
     """The launcher alone, with a tile and variant override (sweeps)."""
     b = buffers
     kernel.launch(
@@ -67,6 +67,7 @@ def run_launcher(buffers, fmt, block_p=None, num_warps=None, variant=None):
         dtype_code=codec.dtype_code(fmt), granularity=codec.granularity_code(fmt), stochastic=fmt.stochastic,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1,
         heads_per_group=b["x"].shape[1] // b["B"].shape[1], block_p=block_p, num_warps=num_warps, variant=variant,
+        maxnreg=maxnreg,
     )
 
 
@@ -138,19 +139,21 @@ def variant_cases(device, model=MODELS[0], batch=256):
     return [_variant_case(model, batch, text, tag, *spec, device) for text, table in plan for tag, spec in table.items()]
 
 
-def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device):
+def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device, maxnreg=None):
     fmt = formats.StateFormat.parse(text)
     prof = profiles.get(model)
     config_p, _, config_warps, config_variant = kernel.launch_config(
         fmt.storage_dtype.itemsize, prof.headdim, prof.dstate, codec.granularity_code(fmt), batch, prof.nheads,
         prof.nheads // prof.ngroups, stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
+    if maxnreg is None and block_p is None and num_warps is None and variant is None:
+        maxnreg = kernel.default_register_cap(codec.dtype_code(fmt), fmt.stochastic, codec.granularity_code(fmt))
     block_p, num_warps, variant = block_p or config_p, num_warps or config_warps, variant or config_variant
     nbytes = _bytes_moved(fmt, batch, prof.nheads, prof.headdim, prof.dstate, prof.ngroups, 2)
     params = dict(model=model, batch=batch, format=f"{text} [{tag}]", inputs="bf16", variant=tag, block_p=block_p,
-                  num_warps=num_warps)
+                  num_warps=num_warps, maxnreg=maxnreg)
     return Case("sweep-conventional", f"{model}/b{batch}/{text}/{tag}", params, nbytes,
                 lambda: make_inputs(model, batch, fmt, device),
-                lambda b: run_launcher(b, fmt, block_p, num_warps, variant), set_bytes=nbytes // 2)
+                lambda b: run_launcher(b, fmt, block_p, num_warps, variant, maxnreg), set_bytes=nbytes // 2)
 
 
 def eager_overhead(device):

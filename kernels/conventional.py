@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import codec, pdl, sizes
-from .launch import CompiledLaunch
+from .launch import CompiledLaunch, register_cap
 from .softplus import softplus
 
 OUT_FP32 = 0
@@ -396,12 +396,32 @@ _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 # 478.5–479.2 at 16 × 128 with 2 against 549 with 1 and 789 at 32 × 128 with 2; fp8_e4m3:row+sr
 # with floor(q + u) in one addition (codec.encode_sr16) 345.9–346.4 at 16 × 128 with 1 warp
 # against 366.8–369.5 with 2 and 349.0–351.4 at 32 × 128 with 2 (sweeps-2026-12-02-k.log runs 1–3, 7).
+# Those +sr tiles were timed with the seed a constant; a caller's seed is a runtime argument
+# (since 0494d75), and then triton 3.6 gives bf16+sr at 16 × 128 with 2 warps 123 registers
+# instead of 80 (`bench.sass_count`), 564 µs against 478. Retimed so (sweeps-2026-12-03-o.log
+# runs 1–3): bf16+sr 428.2 / 431.4 µs at 8 × 128 with 1 warp capped at 96 registers
+# (REGISTER_CAPS below) against 564.3 at 16 × 128 with 2 uncapped, 460.1–463.4 capped at 72 and
+# 446.9 at 32 × 128 with 4; the other +sr formats were no faster at any tile or cap tried
+# (fp16+sr 427.5–431.0 at 8 × 128 capped at 96 against 435.2; int8 and fp8 slower capped).
 _TILE_ROWS_BY_DTYPE = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
     (codec.INT8, True): (32, 2), (codec.FP8_E4M3, True): (16, 1),
     (codec.FP32, False): (16, 1), (codec.FP16, False): (16, 1), (codec.BF16, False): (16, 1),
-    (codec.FP16, True): (16, 2), (codec.BF16, True): (16, 2),
+    (codec.FP16, True): (16, 2), (codec.BF16, True): (8, 1),
 }
+
+
+# Register caps of those launches (ptxas .maxnreg), by (dtype code, stochastic); absent: ptxas's
+# choice. bf16+sr's 8 × 128 tile takes 123 registers uncapped (triton 3.6): 96 lets 21 programs
+# share a multiprocessor instead of 16, without spills.
+REGISTER_CAPS = {(codec.BF16, True): 96}
+
+
+def default_register_cap(dtype_code: int, stochastic: bool, granularity: int):
+    """``REGISTER_CAPS``' cap of a default GPU launch (None: ptxas's choice)."""
+    if granularity not in (codec.GRAN_NONE, codec.GRAN_ROW):
+        return None
+    return REGISTER_CAPS.get((dtype_code, stochastic))
 
 
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
@@ -470,7 +490,7 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device, dtype_code, granularity,
           stochastic, qmax, emax, dt_softplus, out_code, has_d, has_z, has_bias, has_slots, has_seed_tensor,
-          block_p, num_warps, variant, fused) -> _Plan:
+          block_p, num_warps, variant, fused, maxnreg) -> _Plan:
     """Tile, variant, grid and constexprs of a launch: a function of the call's metadata, so an
     eager caller computes it once per signature."""
     on_gpu = device.type == "cuda"
@@ -478,6 +498,8 @@ def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device
     config_p, block_n, warps, config_variant = launch_config(
         element_bytes, headdim, dstate, granularity, batch, nheads, heads_per_group, on_gpu, stochastic,
         dtype_code if on_gpu else None)
+    if maxnreg is None and block_p is None and num_warps is None and variant is None:
+        maxnreg = default_register_cap(dtype_code, stochastic, granularity)
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
@@ -493,7 +515,7 @@ def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device
         BLOCK_P=block_p, BLOCK_N=block_n, EVEN=variant.even and headdim % block_p == 0 and dstate == block_n,
         HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
         SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, PDL=use_pdl, num_warps=num_warps or warps,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch_options(use_pdl), **register_cap(maxnreg, device),
     )
     return _Plan((sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch), constexprs)
 
@@ -505,7 +527,7 @@ def launch(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
     dt_softplus: bool, pad_slot_id: int, heads_per_group: int, block_p=None, num_warps=None, variant=None,
-    fused=None,
+    fused=None, maxnreg=None,
 ):
     """Launch the kernel on validated compact arguments.
 
@@ -514,7 +536,8 @@ def launch(
     tensor when unscaled); ``x, z, out (batch, nheads, headdim)`` with unit inner stride;
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
-    ``block_p``, ``num_warps``, ``variant``: overrides of :func:`launch_config`'s choice.
+    ``block_p``, ``num_warps``, ``variant``: overrides of :func:`launch_config`'s choice;
+    ``maxnreg``: of ``REGISTER_CAPS``' (0: no cap), which applies to the default tile only.
     ``fused``: the fused arithmetic of row and head scales (default: on a GPU only).
     """
     batch, nheads, headdim = x.shape
@@ -523,7 +546,7 @@ def launch(
     plan = _plan(state.element_size(), nheads, headdim, dstate, batch, heads_per_group, state.device, dtype_code,
                  granularity, stochastic, qmax, emax, dt_softplus, out_code, D is not None, z is not None,
                  dt_bias is not None, slot_indices is not None, seed_tensor is not None, block_p, num_warps, variant,
-                 fused)
+                 fused, maxnreg)
     state_strides = state.stride()
     if granularity == codec.GRAN_HEAD:
         scale_strides = (*state_scale.stride()[:2], 0)

@@ -17,7 +17,7 @@ type Triton gives them counts. CPU tensors (the interpreter) always take ``kerne
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,6 +27,12 @@ ENABLED = True
 # Entries kept per kernel before the table starts again (call signatures come from shapes and
 # strides, so a serving engine meets few; the bound only keeps a pathological caller finite).
 MAX_SIGNATURES = 4096
+
+
+def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
+    """Launch options capping a kernel's registers per thread (ptxas ``.maxnreg``; more programs
+    per multiprocessor, some spills): ``{}`` for None or under the interpreter."""
+    return {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
 
 
 def _integer_type(value: int) -> str:

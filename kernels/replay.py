@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import codec, exact_dot, gpu, pdl, sizes
-from .launch import CompiledLaunch
+from .launch import CompiledLaunch, register_cap
 from .gate import gate
 from .softplus import softplus
 
@@ -596,12 +596,6 @@ def grouped_heads_per_program(requested: int, heads_per_group: int) -> int:
     if requested < 1:
         raise ValueError(f"heads_per_program: expected an int >= 1 for the grouped kernel, got {requested}")
     return max(d for d in range(1, min(requested, heads_per_group) + 1) if heads_per_group % d == 0)
-
-
-def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
-    """Launch options capping a kernel's registers per thread (ptxas ``.maxnreg``; more programs
-    per multiprocessor, some spills): ``{}`` for None or under the interpreter."""
-    return {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
 
 
 @dataclasses.dataclass(frozen=True)

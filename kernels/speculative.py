@@ -40,8 +40,8 @@ import triton.language as tl
 
 from . import codec, exact_dot, gpu, sizes
 from .conventional import tile_config
-from .replay import (_fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of,
-                     _store_state, register_cap)
+from .launch import register_cap
+from .replay import _fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of, _store_state
 from .gate import gate
 from .softplus import softplus
 

@@ -129,3 +129,10 @@ def test_replace_kernel_swaps_the_module_attribute_and_its_launch(kernel):
     module._launch((3, 1), _args(), CONSTEXPRS, on_gpu=True)
     assert module._k is other and module._launch.kernel is other
     assert [entry[0] for entry in other.log] == ["bind"]
+
+
+def test_register_caps_apply_to_gpu_launches_only():
+    """A cap is a ptxas option: the interpreter takes no ``maxnreg``, and None leaves ptxas's choice."""
+    assert launch.register_cap(128, torch.device("cpu")) == {}
+    assert launch.register_cap(None, torch.device("cuda")) == {}
+    assert launch.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}

@@ -648,13 +648,6 @@ def test_default_step_kernel_by_batch(batch, expected):
     assert replay_kernels.default_heads_per_program(batch) == expected
 
 
-def test_register_caps_apply_to_gpu_launches_only():
-    """A cap is a ptxas option: the interpreter takes no ``maxnreg``, and None leaves ptxas's choice."""
-    assert replay_kernels.register_cap(128, torch.device("cpu")) == {}
-    assert replay_kernels.register_cap(None, torch.device("cuda")) == {}
-    assert replay_kernels.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}
-
-
 def test_torch_compile_through_the_custom_op():
     """Under ``torch.compile`` the step goes through ``qstate::replay_decode`` (eager calls run
     its implementation directly): same outputs and cache, bit for bit, over a flush."""
