@@ -192,23 +192,23 @@ def check_codec(device):
 
 
 def _check_shapes():
-    """(profile, batch, formats, prefetching) of the GPU check: every format at a small shape (where
+    """(profile, batch, formats, head_loop) of the GPU check: every format at a small shape (where
     the launcher splits headdim into 4-row tiles), the unscaled and row-scaled formats at a shape
     that keeps their full GPU tiles (``kernel._TILE_ROWS_BY_DTYPE``), and the formats whose GPU
-    launch changes with the grid (``kernel.PREFETCH_CONFIGS``) at a shape whose launch must take
+    launch changes with the grid (``kernel.HEAD_LOOP_CONFIGS``) at a shape whose launch must take
     that configuration."""
     parsed = {text: formats.StateFormat.parse(text) for text in ALL_FORMATS}
-    prefetch = [text for text, fmt in parsed.items()
-                if (codec.dtype_code(fmt), fmt.stochastic) in kernel.PREFETCH_CONFIGS and fmt.granularity == "row"]
-    full_tile = [text for text, fmt in parsed.items() if fmt.granularity in (None, "row") and text not in prefetch]
+    head_loop = [text for text, fmt in parsed.items() if fmt.granularity in (None, "row")
+                 and (codec.dtype_code(fmt), fmt.stochastic) in kernel.HEAD_LOOP_CONFIGS]
+    full_tile = [text for text, fmt in parsed.items() if fmt.granularity in (None, "row") and text not in head_loop]
     return [(profiles.Profile("check", 8, 64, 128, 2, 1), 4, ALL_FORMATS, False),
             (profiles.Profile("check-full-tile", 32, 64, 128, 2, 1), 64, full_tile, False),
-            (profiles.Profile("check-prefetch", 32, 64, 128, 2, 1), 256, prefetch, True)]
+            (profiles.Profile("check-head-loop", 32, 64, 128, 2, 1), 256, head_loop, True)]
 
 
-def _check_format(prof, batch, text, input_dtype, steps, device, failures, report, prefetching=False):
+def _check_format(prof, batch, text, input_dtype, steps, device, failures, report, head_loop=False):
     """One format of :func:`check_kernel` at ``prof``'s shape; appends to failures and report.
-    ``prefetching``: on a GPU the launch must take the format's ``PREFETCH_CONFIGS`` entry."""
+    ``head_loop``: on a GPU the launch must take the format's ``HEAD_LOOP_CONFIGS`` entry."""
     inp = prof.sample_inputs(steps, batch, seed=3, device=device, dtype=input_dtype)
     fmt = formats.StateFormat.parse(text)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -217,9 +217,9 @@ def _check_format(prof, batch, text, input_dtype, steps, device, failures, repor
     config = kernel.launch_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate, codec.granularity_code(fmt),
                                   batch, prof.nheads, prof.nheads // prof.ngroups, device.type == "cuda",
                                   fmt.stochastic, codec.dtype_code(fmt) if device.type == "cuda" else None)
-    if prefetching and device.type == "cuda" and config[3] != kernel.PREFETCH_CONFIGS[(codec.dtype_code(fmt),
+    if head_loop and device.type == "cuda" and config[3] != kernel.HEAD_LOOP_CONFIGS[(codec.dtype_code(fmt),
                                                                                        fmt.stochastic)][2]:
-        failures.append(f"kernel {text} {prof.name}: batch {batch} does not take the prefetching launch ({config})")
+        failures.append(f"kernel {text} {prof.name}: batch {batch} does not take the head-loop launch ({config})")
     ys = []
     for t in range(steps):
         out = torch.full_like(inp.x[t], float("nan"))
@@ -269,10 +269,10 @@ def check_kernel(device, steps=3):
     (other noise than the reference's). Returns (failures, rows of the report).
     """
     failures, report = [], []
-    for prof, batch, texts, prefetching in _check_shapes():
+    for prof, batch, texts, head_loop in _check_shapes():
         for input_dtype in (torch.float32, torch.bfloat16):
             for text in texts:
-                _check_format(prof, batch, text, input_dtype, steps, device, failures, report, prefetching)
+                _check_format(prof, batch, text, input_dtype, steps, device, failures, report, head_loop)
     variant_failures, variant_report = check_variants(device)
     return failures + variant_failures + check_graph(device), report + variant_report
 

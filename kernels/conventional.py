@@ -385,7 +385,7 @@ _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 # and 32-bit states too. Batch 256 (bench/README.md, run of d0ed298, and sweeps-2026-12-02-g.log):
 # fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at 32 × 128 with 2 and 212–224 at
 # 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232); int8:row without prefetching
-# (PREFETCH_CONFIGS below; its int8 → fp32 conversions and packing take more registers) 239–249 at
+# (HEAD_LOOP_CONFIGS below; its int8 → fp32 conversions and packing take more registers) 239–249 at
 # 16 × 128 with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; fp32 524 at
 # 16 × 128 with 1 warp against 545–550 with 2; fp16 / bf16 307 / 305–307 at 16 × 128 with 1 warp
 # against 321–326 with 2 (32 × 128 with 1: 310 / 389); with +sr, 16 × 128 with 2 warps took
@@ -399,10 +399,9 @@ _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
 # Those +sr tiles were timed with the seed a constant; a caller's seed is a runtime argument
 # (since 0494d75), and then triton 3.6 gives bf16+sr at 16 × 128 with 2 warps 123 registers
 # instead of 80 (`bench.sass_count`), 564 µs against 478. Retimed so (sweeps-2026-12-03-o.log
-# runs 1–3): bf16+sr 428.2 / 431.4 µs at 8 × 128 with 1 warp capped at 96 registers
-# (REGISTER_CAPS below) against 564.3 at 16 × 128 with 2 uncapped, 460.1–463.4 capped at 72 and
-# 446.9 at 32 × 128 with 4; the other +sr formats were no faster at any tile or cap tried
-# (fp16+sr 427.5–431.0 at 8 × 128 capped at 96 against 435.2; int8 and fp8 slower capped).
+# runs 1–3): bf16+sr 514–520 µs at 8 × 128 with 1 warp, 428.2 / 431.4 capped at 96 registers
+# (REGISTER_CAPS below), 444.7 at 128; the other +sr formats were no faster at any plain tile
+# (HEAD_LOOP_CONFIGS below has what was).
 _TILE_ROWS_BY_DTYPE = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
     (codec.INT8, True): (32, 2), (codec.FP8_E4M3, True): (16, 1),
@@ -411,10 +410,13 @@ _TILE_ROWS_BY_DTYPE = {
 }
 
 
-# Register caps of those launches (ptxas .maxnreg), by (dtype code, stochastic); absent: ptxas's
-# choice. bf16+sr's 8 × 128 tile takes 123 registers uncapped (triton 3.6): 96 lets 21 programs
-# share a multiprocessor instead of 16, without spills.
-REGISTER_CAPS = {(codec.BF16, True): 96}
+# Register caps of the GPU launches (ptxas .maxnreg) for unscaled and row-scaled formats, by
+# (dtype code, stochastic), whether they take HEAD_LOOP_CONFIGS' entry or the tables above;
+# absent: ptxas's choice. Each is what the format's head loop was timed with (below); without
+# it the loops took 471.7 (bf16+sr), 407.8 (fp16+sr) and 313.1 µs (int8:row+sr). At the
+# tables' tiles the cap changes nothing for fp16+sr (80 registers) and int8:row+sr (127), and
+# takes bf16+sr from 514–520 µs to 444.7.
+REGISTER_CAPS = {(codec.BF16, True): 128, (codec.FP16, True): 128, (codec.INT8, True): 128}
 
 
 def default_register_cap(dtype_code: int, stochastic: bool, granularity: int):
@@ -445,33 +447,47 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
     return block_p, block_n, warps
 
 
-# int8 row codes with round to nearest, on a GPU: 16 heads of one group per program, the next
-# head's codes, scale and inputs loaded while one head is updated (``prefetch``), in 32 × 128
-# one-warp tiles (255 registers, triton 3.6). H200, batch 256 (bench/README.md, run of 48e494d,
-# and sweeps-2026-12-02-h.log): 193.2–193.9 µs against 248.6–249.6 for the 16 × 128 tile without
-# it; batch 64 54.0–54.2 against 65.5–65.6; nemotron-3-nano-30b-a3b (8 heads per group) batch 256
-# 103.7 against 125.0–127.1. 8 heads per program took 196.5–197.3, 32 × 128 with 2 warps
-# 278.9–279.0. fp8_e4m3:row is not faster so (192.1–194.0 against 188.0–189.0), nor int8 at
-# batch 16 (a 16-row tile, 4 heads: 21.4–21.8 against 18.6–18.9), so the prefetching
-# configuration applies from PREFETCH_MIN_PROGRAMS programs up (batch 64 of the 8B layer).
-PREFETCH_CONFIGS = {(codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True))}
-PREFETCH_MIN_PROGRAMS = 1024
+# Programs that loop over heads of one group (B, C, the slot and the noise key loaded once), by
+# (dtype code, stochastic), for unscaled and row-scaled formats on a GPU: (rows, warps, Variant).
+# int8 row codes with round to nearest: 16 heads, the next head's codes, scale and inputs loaded
+# while one head is updated (``prefetch``), in 32 × 128 one-warp tiles (255 registers, triton
+# 3.6). H200, batch 256 (bench/README.md, run of 48e494d, and sweeps-2026-12-02-h.log):
+# 193.2–193.9 µs against 248.6–249.6 for the 16 × 128 tile without it; batch 64 54.0–54.2
+# against 65.5–65.6; nemotron-3-nano-30b-a3b (8 heads per group) batch 256 103.7 against
+# 125.0–127.1. 8 heads per program took 196.5–197.3, 32 × 128 with 2 warps 278.9–279.0.
+# fp8_e4m3:row is not faster so (192.1–194.0 against 188.0–189.0), nor int8 at batch 16 (a
+# 16-row tile, 4 heads: 21.4–21.8 against 18.6–18.9), so these apply from
+# HEAD_LOOP_MIN_PROGRAMS programs up (batch 64 of the 8B layer).
+# With stochastic rounding, 4 heads in 8 × 128 (16-bit) or 16 × 128 (int8) one-warp tiles, each
+# capped at 128 registers (REGISTER_CAPS), three runs each at batch 256 against the tables'
+# tiles (sweeps-2026-12-03-o.log, runs 6–7): bf16+sr 396.8–403.3 µs against 423.8–430.8,
+# fp16+sr with the next head prefetched 389.4–393.2 against 431.3–441.4, int8:row+sr
+# 308.4–309.7 against 322.0–326.8. fp8_e4m3:row+sr found nothing faster (346.6 at its tile;
+# 2, 4 or 8 heads 350.3–699.6).
+_SR16 = dict(sr_stream=2, sr_rounds=7)
+HEAD_LOOP_CONFIGS = {
+    (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True)),
+    (codec.INT8, True): (16, 1, Variant(even=True, heads_per_prog=4, **_SR16)),
+    (codec.BF16, True): (8, 1, Variant(even=True, heads_per_prog=4, **_SR16)),
+    (codec.FP16, True): (8, 1, Variant(even=True, heads_per_prog=4, prefetch=True, **_SR16)),
+}
+HEAD_LOOP_MIN_PROGRAMS = 1024
 
 
 def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
                   heads_per_group: int, on_gpu: bool = True, stochastic: bool = False, dtype=None):
     """(BLOCK_P, BLOCK_N, num_warps, Variant) the launcher runs: :func:`tile_config`'s tile and
-    ``DEFAULT_VARIANTS``' variant, or a ``PREFETCH_CONFIGS`` entry where it applies."""
+    ``DEFAULT_VARIANTS``' variant, or a ``HEAD_LOOP_CONFIGS`` entry where it applies."""
     block_p, block_n, num_warps = tile_config(element_bytes, headdim, dstate, granularity, batch, nheads, on_gpu,
                                               stochastic, dtype)
     variant = DEFAULT_VARIANTS[(element_bytes, stochastic)]
-    prefetch = PREFETCH_CONFIGS.get((dtype, stochastic))
-    if on_gpu and prefetch is not None and granularity in (codec.GRAN_NONE, codec.GRAN_ROW):
-        rows, prefetch_warps, prefetch_variant = prefetch
-        prefetch_p = min(max(1, rows * 128 // block_n), sizes.next_power_of_2(headdim))
-        heads_per_prog = math.gcd(prefetch_variant.heads_per_prog, heads_per_group)
-        if batch * (nheads // heads_per_prog) * sizes.cdiv(headdim, prefetch_p) >= PREFETCH_MIN_PROGRAMS:
-            block_p, num_warps, variant = prefetch_p, prefetch_warps, prefetch_variant
+    loop = HEAD_LOOP_CONFIGS.get((dtype, stochastic))
+    if on_gpu and loop is not None and granularity in (codec.GRAN_NONE, codec.GRAN_ROW):
+        rows, loop_warps, loop_variant = loop
+        loop_p = min(max(1, rows * 128 // block_n), sizes.next_power_of_2(headdim))
+        heads_per_prog = math.gcd(loop_variant.heads_per_prog, heads_per_group)
+        if batch * (nheads // heads_per_prog) * sizes.cdiv(headdim, loop_p) >= HEAD_LOOP_MIN_PROGRAMS:
+            block_p, num_warps, variant = loop_p, loop_warps, loop_variant
     return block_p, block_n, num_warps, variant
 
 

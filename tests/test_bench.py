@@ -71,24 +71,25 @@ def test_traffic_check_puts_predicted_and_measured_speed_ups_side_by_side():
         traffic_check.table({traffic_check.CASES["int8:row"]: dict(us=1.0, pct_copy=1.0)})
 
 
-def test_gpu_check_covers_the_prefetching_launch():
+def test_gpu_check_covers_the_head_loop_launches():
     """cases_conventional.check_kernel runs every format whose GPU launch depends on the grid at
-    a shape whose launch on a GPU takes kernel.PREFETCH_CONFIGS' configuration."""
+    a shape whose launch on a GPU takes kernel.HEAD_LOOP_CONFIGS' configuration."""
     from bench import cases_conventional
     from qstate import formats
     from qstate.kernels import codec, conventional
 
     shapes = cases_conventional._check_shapes()
     assert set(shapes[0][2]) == set(cases_conventional.ALL_FORMATS)
-    prefetching = [(prof, batch, texts) for prof, batch, texts, flag in shapes if flag]
-    assert [texts for _, _, texts in prefetching] == [["int8:row"]]
-    for prof, batch, texts in prefetching:
+    head_loop = [(prof, batch, texts) for prof, batch, texts, flag in shapes if flag]
+    assert [sorted(texts) for _, _, texts in head_loop] == [["bf16+sr", "fp16+sr", "int8:row", "int8:row+sr"]]
+    for prof, batch, texts in head_loop:
         for text in texts:
             fmt = formats.StateFormat.parse(text)
-            config = conventional.launch_config(1, prof.headdim, prof.dstate, codec.granularity_code(fmt), batch,
-                                                prof.nheads, prof.nheads // prof.ngroups, True, fmt.stochastic,
+            config = conventional.launch_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate,
+                                                codec.granularity_code(fmt), batch, prof.nheads,
+                                                prof.nheads // prof.ngroups, True, fmt.stochastic,
                                                 codec.dtype_code(fmt))
-            assert config[3] == conventional.PREFETCH_CONFIGS[(codec.dtype_code(fmt), fmt.stochastic)][2]
+            assert config[3] == conventional.HEAD_LOOP_CONFIGS[(codec.dtype_code(fmt), fmt.stochastic)][2]
 
 
 def test_read_kernel_sums_each_block_and_the_table_names_the_read_ceiling():

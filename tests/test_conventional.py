@@ -285,6 +285,10 @@ VARIANTS = {
     "even-hpp8-prefetch-sr4": conventional.Variant(even=True, heads_per_prog=8, prefetch=True, sr_stream=1),
     "sr4-rounds7": conventional.Variant(sr_stream=1, sr_rounds=7),
 }
+# The GPU's head-loop launches (conventional.HEAD_LOOP_CONFIGS), each with the format it serves.
+_LOOP_FORMATS = {(codec.INT8, False): "int8:row", (codec.INT8, True): "int8:row+sr", (codec.BF16, True): "bf16+sr",
+                 (codec.FP16, True): "fp16+sr"}
+VARIANTS.update({f"loop-{_LOOP_FORMATS[key]}": config[2] for key, config in conventional.HEAD_LOOP_CONFIGS.items()})
 VARIANT_FORMATS = {
     "even": ["fp16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "int8:row+sr"],
     "even-hpp2-prefetch": ["fp16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:block32", "int8:head", "fp8_e4m3:row+sr"],
@@ -292,6 +296,7 @@ VARIANT_FORMATS = {
     "even-hpp8-prefetch-sr4": ["fp16+sr", "bf16+sr", "int8:row+sr", "fp8_e4m3:row+sr", "fp8_e5m2:block32+sr",
                                "int8:head+sr"],
     "sr4-rounds7": ["int8:row+sr", "fp16+sr"],
+    **{f"loop-{text}": [text] for text in _LOOP_FORMATS.values()},
 }
 # (nheads, headdim, dstate, ngroups, BLOCK_P): "even" splits headdim in tiles that divide it
 # (EVEN applies, 4 heads per group); "odd" is 6 × 80 × 96 with one group (EVEN cannot apply,
@@ -344,31 +349,67 @@ def test_variant_padding_and_untouched_slots(use_variant, name, text):
     _check_padding_and_untouched_slots(text, nheads=8)
 
 
-def test_launch_config_prefetches_int8_rows_on_a_gpu_from_enough_programs():
-    """The GPU launch of int8 row codes with round to nearest takes PREFETCH_CONFIGS' 16-head
-    prefetching one-warp tile once its grid has PREFETCH_MIN_PROGRAMS programs; other formats,
-    smaller grids and the interpreter keep tile_config's tile and DEFAULT_VARIANTS' variant."""
-    rows, warps, variant = conventional.PREFETCH_CONFIGS[(codec.INT8, False)]
-    config = lambda text, batch, nheads=128, per_group=16, on_gpu=True: conventional.launch_config(  # noqa: E731
-        1, 64, 128, codec.granularity_code(formats.StateFormat.parse(text)), batch, nheads, per_group, on_gpu,
-        text.endswith("+sr"), codec.dtype_code(formats.StateFormat.parse(text)) if on_gpu else None)
+def test_launch_config_loops_over_heads_on_a_gpu_from_enough_programs():
+    """The GPU launch of int8 row codes with round to nearest takes HEAD_LOOP_CONFIGS' 16-head
+    prefetching one-warp tile once its grid has HEAD_LOOP_MIN_PROGRAMS programs, and so do the
+    other formats with an entry (bf16+sr, fp16+sr, int8:row+sr); other formats, smaller grids and
+    the interpreter keep tile_config's tile and DEFAULT_VARIANTS' variant."""
+    rows, warps, variant = conventional.HEAD_LOOP_CONFIGS[(codec.INT8, False)]
+
+    def config(text, batch, nheads=128, per_group=16, on_gpu=True):
+        fmt = formats.StateFormat.parse(text)
+        return conventional.launch_config(
+            fmt.storage_dtype.itemsize, 64, 128, codec.granularity_code(fmt), batch, nheads, per_group, on_gpu,
+            fmt.stochastic, codec.dtype_code(fmt) if on_gpu else None)
+
     assert config("int8:row", 256) == (rows, 128, warps, variant)
     assert config("int8:row", 64) == (rows, 128, warps, variant)  # 64 rows × 8 head groups × 2 tiles = 1024
     assert config("int8:row", 64, nheads=64, per_group=8)[3] == variant
-    for text, batch, on_gpu in (("int8:row", 32, True), ("int8:row", 256, False), ("int8:head", 256, True),
-                                ("int8:row+sr", 256, True), ("fp8_e4m3:row", 256, True)):
+    for text in ("bf16+sr", "fp16+sr", "int8:row+sr"):
         fmt = formats.StateFormat.parse(text)
-        tile = conventional.tile_config(1, 64, 128, codec.granularity_code(fmt), batch, 128, on_gpu, fmt.stochastic,
-                                        codec.dtype_code(fmt) if on_gpu else None)
-        assert config(text, batch, on_gpu=on_gpu) == tile + (conventional.DEFAULT_VARIANTS[(1, fmt.stochastic)],)
+        loop_rows, loop_warps, loop_variant = conventional.HEAD_LOOP_CONFIGS[(codec.dtype_code(fmt), True)]
+        assert config(text, 256) == (loop_rows, 128, loop_warps, loop_variant)
+    for text, batch, on_gpu in (("int8:row", 32, True), ("int8:row", 256, False), ("int8:head", 256, True),
+                                ("int8:row+sr", 1, True), ("bf16+sr", 256, False), ("fp8_e4m3:row", 256, True),
+                                ("fp8_e4m3:row+sr", 256, True)):
+        fmt = formats.StateFormat.parse(text)
+        nbytes = fmt.storage_dtype.itemsize
+        tile = conventional.tile_config(nbytes, 64, 128, codec.granularity_code(fmt), batch, 128, on_gpu,
+                                        fmt.stochastic, codec.dtype_code(fmt) if on_gpu else None)
+        assert config(text, batch, on_gpu=on_gpu) == tile + (conventional.DEFAULT_VARIANTS[(nbytes, fmt.stochastic)],)
+
+
+def test_register_caps_apply_to_default_gpu_launches_of_their_formats(monkeypatch):
+    """REGISTER_CAPS reach a GPU launch's options only for the default tile of an unscaled or
+    row-scaled format with an entry; an explicit maxnreg (0: none) or tile wins."""
+    def plan(text, device="cuda", **overrides):
+        fmt = formats.StateFormat.parse(text)
+        args = dict(block_p=None, num_warps=None, variant=None, fused=None, maxnreg=None)
+        args.update(overrides)
+        conventional._plan.cache_clear()
+        return conventional._plan(
+            fmt.storage_dtype.itemsize, 128, 64, 128, 256, 16, torch.device(device), codec.dtype_code(fmt),
+            codec.granularity_code(fmt), fmt.stochastic, codec.qmax(fmt), codec.emax(fmt), True, 0, True, True,
+            True, True, False, *args.values()).constexprs
+
+    monkeypatch.setattr(conventional.pdl, "enabled", lambda device: False)  # no GPU to ask
+    assert plan("bf16+sr")["maxnreg"] == conventional.REGISTER_CAPS[(codec.BF16, True)]
+    assert plan("int8:row+sr")["maxnreg"] == conventional.REGISTER_CAPS[(codec.INT8, True)]
+    assert "maxnreg" not in plan("bf16+sr", maxnreg=0)
+    assert "maxnreg" not in plan("bf16+sr", block_p=16)
+    assert plan("bf16+sr", block_p=16, maxnreg=80)["maxnreg"] == 80
+    assert "maxnreg" not in plan("int8:head+sr")
+    assert "maxnreg" not in plan("fp8_e4m3:row+sr")
+    assert "maxnreg" not in plan("bf16+sr", device="cpu")
+    conventional._plan.cache_clear()
 
 
 def test_prefetch_config_steps_bit_exact_with_padding():
-    """PREFETCH_CONFIGS' int8 configuration as a GPU launches it (16 heads of a group per
+    """HEAD_LOOP_CONFIGS' int8 configuration as a GPU launches it (16 heads of a group per
     program, the next head prefetched, 32-row one-warp tiles), forced under the interpreter: two
     steps over padded and out-of-order slot indices equal the mirrored fp32 step's codes and
     scales bit for bit, padded rows output zero and untouched slots keep every bit."""
-    rows, warps, variant = conventional.PREFETCH_CONFIGS[(codec.INT8, False)]
+    rows, warps, variant = conventional.HEAD_LOOP_CONFIGS[(codec.INT8, False)]
     fmt = formats.StateFormat.parse("int8:row")
     nslots, nheads, headdim, dstate = 5, 16, 64, 128
     q = _stored(fmt, (nslots, nheads, headdim, dstate))
