@@ -413,9 +413,9 @@ _TILE_ROWS_BY_DTYPE = {
 # Register caps of the GPU launches (ptxas .maxnreg) for unscaled and row-scaled formats, by
 # (dtype code, stochastic), whether they take HEAD_LOOP_CONFIGS' entry or the tables above;
 # absent: ptxas's choice. Each is what the format's head loop was timed with (below); without
-# it the loops took 471.7 (bf16+sr), 407.8 (fp16+sr) and 313.1 µs (int8:row+sr). At the
-# tables' tiles the cap changes nothing for fp16+sr (80 registers) and int8:row+sr (127), and
-# takes bf16+sr from 514–520 µs to 444.7.
+# it the loops took 471.5–471.9 (bf16+sr), 403.5–408.7 (fp16+sr) and 311.7–314.2 µs
+# (int8:row+sr). At the tables' tiles the cap changes nothing for fp16+sr (80 registers) and
+# int8:row+sr (127), and takes bf16+sr from 514–520 µs to 444.7.
 REGISTER_CAPS = {(codec.BF16, True): 128, (codec.FP16, True): 128, (codec.INT8, True): 128}
 
 
@@ -463,7 +463,7 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
 # tiles (sweeps-2026-12-03-o.log, runs 6–7): bf16+sr 396.8–403.3 µs against 423.8–430.8,
 # fp16+sr with the next head prefetched 389.4–393.2 against 431.3–441.4, int8:row+sr
 # 308.4–309.7 against 322.0–326.8. fp8_e4m3:row+sr found nothing faster (346.6 at its tile;
-# 2, 4 or 8 heads 350.3–699.6).
+# 2, 4 or 8 heads 350.3–1245.3).
 _SR16 = dict(sr_stream=2, sr_rounds=7)
 HEAD_LOOP_CONFIGS = {
     (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True)),
