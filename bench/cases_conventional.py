@@ -142,11 +142,11 @@ def variant_cases(device, model=MODELS[0], batch=256):
 def _variant_case(model, batch, text, tag, variant, block_p, num_warps, device, maxnreg=None):
     fmt = formats.StateFormat.parse(text)
     prof = profiles.get(model)
-    config_p, _, config_warps, config_variant = kernel.launch_config(
+    config_p, _, config_warps, config_variant, config_maxnreg = kernel.launch_config(
         fmt.storage_dtype.itemsize, prof.headdim, prof.dstate, codec.granularity_code(fmt), batch, prof.nheads,
         prof.nheads // prof.ngroups, stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
     if maxnreg is None and block_p is None and num_warps is None and variant is None:
-        maxnreg = kernel.default_register_cap(codec.dtype_code(fmt), fmt.stochastic, codec.granularity_code(fmt))
+        maxnreg = config_maxnreg
     block_p, num_warps, variant = block_p or config_p, num_warps or config_warps, variant or config_variant
     nbytes = _bytes_moved(fmt, batch, prof.nheads, prof.headdim, prof.dstate, prof.ngroups, 2)
     params = dict(model=model, batch=batch, format=f"{text} [{tag}]", inputs="bf16", variant=tag, block_p=block_p,

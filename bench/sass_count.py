@@ -162,7 +162,7 @@ def launch_conventional(text):
     q = formats.quantize(torch.randn(BATCH, H, P, N), fmt)
     gran = codec.granularity_code(fmt)
     # The GPU's tile (on CPU tensors the launcher would pick the interpreter's).
-    block_p, _, num_warps, variant = conventional.launch_config(
+    block_p, _, num_warps, variant, maxnreg = conventional.launch_config(
         fmt.storage_dtype.itemsize, P, N, gran, BATCH, H, H // G, stochastic=fmt.stochastic, dtype=codec.dtype_code(fmt))
     conventional.launch(
         codec.storage_view(q.data, fmt), q.scale, _bf16(BATCH, H, P), _bf16(BATCH, H), -torch.rand(H),
@@ -170,7 +170,7 @@ def launch_conventional(text):
         _bf16(BATCH, H, P), 1, None, dtype_code=codec.dtype_code(fmt), granularity=gran, stochastic=fmt.stochastic,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=H // G,
         block_p=block_p, num_warps=num_warps, variant=variant,
-        maxnreg=conventional.default_register_cap(codec.dtype_code(fmt), fmt.stochastic, gran))
+        maxnreg=maxnreg)
     return launches
 
 

@@ -410,20 +410,12 @@ _TILE_ROWS_BY_DTYPE = {
 }
 
 
-# Register caps of the GPU launches (ptxas .maxnreg) for unscaled and row-scaled formats, by
-# (dtype code, stochastic), whether they take HEAD_LOOP_CONFIGS' entry or the tables above;
-# absent: ptxas's choice. Each is what the format's head loop was timed with (below); without
-# it the loops took 471.5–471.9 (bf16+sr), 403.5–408.7 (fp16+sr) and 311.7–314.2 µs
-# (int8:row+sr). At the tables' tiles the cap changes nothing for fp16+sr (80 registers) and
-# int8:row+sr (127), and takes bf16+sr from 514–520 µs to 444.7.
-REGISTER_CAPS = {(codec.BF16, True): 128, (codec.FP16, True): 128, (codec.INT8, True): 128}
-
-
-def default_register_cap(dtype_code: int, stochastic: bool, granularity: int):
-    """``REGISTER_CAPS``' cap of a default GPU launch (None: ptxas's choice)."""
-    if granularity not in (codec.GRAN_NONE, codec.GRAN_ROW):
-        return None
-    return REGISTER_CAPS.get((dtype_code, stochastic))
+# Register caps (ptxas .maxnreg) of the GPU launches at the tiles above, by (dtype code,
+# stochastic), for unscaled and row-scaled formats; absent: ptxas's choice, which a cap can make
+# worse: ptxas spends what it allows (fp16+sr's 80-register kernel took 483.5–486.4 µs under a
+# 128 cap against 431–441 without, sweeps-2026-12-03-o.log run 8). HEAD_LOOP_CONFIGS carry
+# their own.
+REGISTER_CAPS = {(codec.BF16, True): 96}
 
 
 def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
@@ -459,36 +451,40 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
 # 16-row tile, 4 heads: 21.4–21.8 against 18.6–18.9), so these apply from
 # HEAD_LOOP_MIN_PROGRAMS programs up (batch 64 of the 8B layer).
 # With stochastic rounding, 4 heads in 8 × 128 (16-bit) or 16 × 128 (int8) one-warp tiles, each
-# capped at 128 registers (REGISTER_CAPS), three runs each at batch 256 against the tables'
-# tiles (sweeps-2026-12-03-o.log, runs 6–7): bf16+sr 396.8–403.3 µs against 423.8–430.8,
-# fp16+sr with the next head prefetched 389.4–393.2 against 431.3–441.4, int8:row+sr
-# 308.4–309.7 against 322.0–326.8. fp8_e4m3:row+sr found nothing faster (346.6 at its tile;
-# 2, 4 or 8 heads 350.3–1245.3).
+# capped at 128 registers, three runs each at batch 256 against the tables' tiles
+# (sweeps-2026-12-03-o.log, runs 6–7): bf16+sr 396.8–403.3 µs against 423.8–430.8, fp16+sr
+# with the next head prefetched 389.4–393.2 against 431.3–441.4, int8:row+sr 308.4–309.7
+# against 322.0–326.8. Uncapped, the loops took 471.5–471.9 (bf16+sr), 403.5–408.7 (fp16+sr)
+# and 311.7–314.2 µs (int8:row+sr). fp8_e4m3:row+sr found nothing faster (346.6 at its tile; 2,
+# 4 or 8 heads 350.3–1245.3). Entries: (rows, warps, Variant, register cap or None).
 _SR16 = dict(sr_stream=2, sr_rounds=7)
 HEAD_LOOP_CONFIGS = {
-    (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True)),
-    (codec.INT8, True): (16, 1, Variant(even=True, heads_per_prog=4, **_SR16)),
-    (codec.BF16, True): (8, 1, Variant(even=True, heads_per_prog=4, **_SR16)),
-    (codec.FP16, True): (8, 1, Variant(even=True, heads_per_prog=4, prefetch=True, **_SR16)),
+    (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True), None),
+    (codec.INT8, True): (16, 1, Variant(even=True, heads_per_prog=4, **_SR16), 128),
+    (codec.BF16, True): (8, 1, Variant(even=True, heads_per_prog=4, **_SR16), 128),
+    (codec.FP16, True): (8, 1, Variant(even=True, heads_per_prog=4, prefetch=True, **_SR16), 128),
 }
 HEAD_LOOP_MIN_PROGRAMS = 1024
 
 
 def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: int, batch: int, nheads: int,
                   heads_per_group: int, on_gpu: bool = True, stochastic: bool = False, dtype=None):
-    """(BLOCK_P, BLOCK_N, num_warps, Variant) the launcher runs: :func:`tile_config`'s tile and
-    ``DEFAULT_VARIANTS``' variant, or a ``HEAD_LOOP_CONFIGS`` entry where it applies."""
+    """(BLOCK_P, BLOCK_N, num_warps, Variant, register cap or None) the launcher runs:
+    :func:`tile_config`'s tile, ``DEFAULT_VARIANTS``' variant and ``REGISTER_CAPS``' cap, or a
+    ``HEAD_LOOP_CONFIGS`` entry where it applies."""
     block_p, block_n, num_warps = tile_config(element_bytes, headdim, dstate, granularity, batch, nheads, on_gpu,
                                               stochastic, dtype)
     variant = DEFAULT_VARIANTS[(element_bytes, stochastic)]
+    by_dtype = on_gpu and granularity in (codec.GRAN_NONE, codec.GRAN_ROW)
+    maxnreg = REGISTER_CAPS.get((dtype, stochastic)) if by_dtype else None
     loop = HEAD_LOOP_CONFIGS.get((dtype, stochastic))
-    if on_gpu and loop is not None and granularity in (codec.GRAN_NONE, codec.GRAN_ROW):
-        rows, loop_warps, loop_variant = loop
+    if by_dtype and loop is not None:
+        rows, loop_warps, loop_variant, loop_maxnreg = loop
         loop_p = min(max(1, rows * 128 // block_n), sizes.next_power_of_2(headdim))
         heads_per_prog = math.gcd(loop_variant.heads_per_prog, heads_per_group)
         if batch * (nheads // heads_per_prog) * sizes.cdiv(headdim, loop_p) >= HEAD_LOOP_MIN_PROGRAMS:
-            block_p, num_warps, variant = loop_p, loop_warps, loop_variant
-    return block_p, block_n, num_warps, variant
+            block_p, num_warps, variant, maxnreg = loop_p, loop_warps, loop_variant, loop_maxnreg
+    return block_p, block_n, num_warps, variant, maxnreg
 
 
 # Eager GPU launches through the compiled kernel (kernels/launch.py).
@@ -511,11 +507,11 @@ def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device
     eager caller computes it once per signature."""
     on_gpu = device.type == "cuda"
     fused = on_gpu if fused is None else fused
-    config_p, block_n, warps, config_variant = launch_config(
+    config_p, block_n, warps, config_variant, config_maxnreg = launch_config(
         element_bytes, headdim, dstate, granularity, batch, nheads, heads_per_group, on_gpu, stochastic,
         dtype_code if on_gpu else None)
     if maxnreg is None and block_p is None and num_warps is None and variant is None:
-        maxnreg = default_register_cap(dtype_code, stochastic, granularity)
+        maxnreg = config_maxnreg
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
@@ -553,7 +549,8 @@ def launch(
     ``dt (batch, nheads)``; ``B, C (batch, ngroups, dstate)`` with unit inner stride;
     ``A, D, dt_bias (nheads,)`` contiguous; ``slot_indices (batch,)`` int or None.
     ``block_p``, ``num_warps``, ``variant``: overrides of :func:`launch_config`'s choice;
-    ``maxnreg``: of ``REGISTER_CAPS``' (0: no cap), which applies to the default tile only.
+    ``maxnreg``: of :func:`launch_config`'s register cap (0: no cap), which applies to the default
+    tile only.
     ``fused``: the fused arithmetic of row and head scales (default: on a GPU only).
     """
     batch, nheads, headdim = x.shape

@@ -354,7 +354,7 @@ def test_launch_config_loops_over_heads_on_a_gpu_from_enough_programs():
     prefetching one-warp tile once its grid has HEAD_LOOP_MIN_PROGRAMS programs, and so do the
     other formats with an entry (bf16+sr, fp16+sr, int8:row+sr); other formats, smaller grids and
     the interpreter keep tile_config's tile and DEFAULT_VARIANTS' variant."""
-    rows, warps, variant = conventional.HEAD_LOOP_CONFIGS[(codec.INT8, False)]
+    rows, warps, variant, maxnreg = conventional.HEAD_LOOP_CONFIGS[(codec.INT8, False)]
 
     def config(text, batch, nheads=128, per_group=16, on_gpu=True):
         fmt = formats.StateFormat.parse(text)
@@ -362,39 +362,47 @@ def test_launch_config_loops_over_heads_on_a_gpu_from_enough_programs():
             fmt.storage_dtype.itemsize, 64, 128, codec.granularity_code(fmt), batch, nheads, per_group, on_gpu,
             fmt.stochastic, codec.dtype_code(fmt) if on_gpu else None)
 
-    assert config("int8:row", 256) == (rows, 128, warps, variant)
-    assert config("int8:row", 64) == (rows, 128, warps, variant)  # 64 rows × 8 head groups × 2 tiles = 1024
+    assert config("int8:row", 256) == (rows, 128, warps, variant, maxnreg)
+    assert config("int8:row", 64) == (rows, 128, warps, variant, maxnreg)  # 64 rows × 8 groups × 2 tiles = 1024
     assert config("int8:row", 64, nheads=64, per_group=8)[3] == variant
     for text in ("bf16+sr", "fp16+sr", "int8:row+sr"):
         fmt = formats.StateFormat.parse(text)
-        loop_rows, loop_warps, loop_variant = conventional.HEAD_LOOP_CONFIGS[(codec.dtype_code(fmt), True)]
-        assert config(text, 256) == (loop_rows, 128, loop_warps, loop_variant)
+        assert config(text, 256)[:1] + config(text, 256)[2:] == conventional.HEAD_LOOP_CONFIGS[
+            (codec.dtype_code(fmt), True)]
     for text, batch, on_gpu in (("int8:row", 32, True), ("int8:row", 256, False), ("int8:head", 256, True),
-                                ("int8:row+sr", 1, True), ("bf16+sr", 256, False), ("fp8_e4m3:row", 256, True),
-                                ("fp8_e4m3:row+sr", 256, True)):
+                                ("int8:row+sr", 1, True), ("bf16+sr", 256, False), ("bf16+sr", 1, True),
+                                ("fp8_e4m3:row", 256, True), ("fp8_e4m3:row+sr", 256, True)):
         fmt = formats.StateFormat.parse(text)
         nbytes = fmt.storage_dtype.itemsize
         tile = conventional.tile_config(nbytes, 64, 128, codec.granularity_code(fmt), batch, 128, on_gpu,
                                         fmt.stochastic, codec.dtype_code(fmt) if on_gpu else None)
-        assert config(text, batch, on_gpu=on_gpu) == tile + (conventional.DEFAULT_VARIANTS[(nbytes, fmt.stochastic)],)
+        cap = conventional.REGISTER_CAPS.get((codec.dtype_code(fmt), fmt.stochastic)) if on_gpu else None
+        cap = cap if fmt.granularity in (None, "row") else None
+        assert config(text, batch, on_gpu=on_gpu) == tile + (conventional.DEFAULT_VARIANTS[(nbytes, fmt.stochastic)],
+                                                             cap)
 
 
 def test_register_caps_apply_to_default_gpu_launches_of_their_formats(monkeypatch):
-    """REGISTER_CAPS reach a GPU launch's options only for the default tile of an unscaled or
-    row-scaled format with an entry; an explicit maxnreg (0: none) or tile wins."""
-    def plan(text, device="cuda", **overrides):
+    """launch_config's register cap (REGISTER_CAPS at the tables' tiles, HEAD_LOOP_CONFIGS' own on
+    head loops) reaches a GPU launch's options only for the default launch of an unscaled or
+    row-scaled format; an explicit maxnreg (0: none) or tile wins, and the interpreter takes none."""
+    def plan(text, batch=256, device="cuda", **overrides):
         fmt = formats.StateFormat.parse(text)
         args = dict(block_p=None, num_warps=None, variant=None, fused=None, maxnreg=None)
         args.update(overrides)
         conventional._plan.cache_clear()
         return conventional._plan(
-            fmt.storage_dtype.itemsize, 128, 64, 128, 256, 16, torch.device(device), codec.dtype_code(fmt),
+            fmt.storage_dtype.itemsize, 128, 64, 128, batch, 16, torch.device(device), codec.dtype_code(fmt),
             codec.granularity_code(fmt), fmt.stochastic, codec.qmax(fmt), codec.emax(fmt), True, 0, True, True,
             True, True, False, *args.values()).constexprs
 
     monkeypatch.setattr(conventional.pdl, "enabled", lambda device: False)  # no GPU to ask
-    assert plan("bf16+sr")["maxnreg"] == conventional.REGISTER_CAPS[(codec.BF16, True)]
-    assert plan("int8:row+sr")["maxnreg"] == conventional.REGISTER_CAPS[(codec.INT8, True)]
+    loop_caps = {key: config[3] for key, config in conventional.HEAD_LOOP_CONFIGS.items()}
+    assert plan("bf16+sr")["maxnreg"] == loop_caps[(codec.BF16, True)]
+    assert plan("fp16+sr")["maxnreg"] == loop_caps[(codec.FP16, True)]
+    assert plan("int8:row+sr")["maxnreg"] == loop_caps[(codec.INT8, True)]
+    assert plan("bf16+sr", batch=1)["maxnreg"] == conventional.REGISTER_CAPS[(codec.BF16, True)]  # the table tile
+    assert "maxnreg" not in plan("fp16+sr", batch=1)
     assert "maxnreg" not in plan("bf16+sr", maxnreg=0)
     assert "maxnreg" not in plan("bf16+sr", block_p=16)
     assert plan("bf16+sr", block_p=16, maxnreg=80)["maxnreg"] == 80
@@ -409,7 +417,7 @@ def test_prefetch_config_steps_bit_exact_with_padding():
     program, the next head prefetched, 32-row one-warp tiles), forced under the interpreter: two
     steps over padded and out-of-order slot indices equal the mirrored fp32 step's codes and
     scales bit for bit, padded rows output zero and untouched slots keep every bit."""
-    rows, warps, variant = conventional.HEAD_LOOP_CONFIGS[(codec.INT8, False)]
+    rows, warps, variant, _ = conventional.HEAD_LOOP_CONFIGS[(codec.INT8, False)]
     fmt = formats.StateFormat.parse("int8:row")
     nslots, nheads, headdim, dstate = 5, 16, 64, 128
     q = _stored(fmt, (nslots, nheads, headdim, dstate))
