@@ -217,8 +217,8 @@ def _check_format(prof, batch, text, input_dtype, steps, device, failures, repor
     config = kernel.launch_config(fmt.storage_dtype.itemsize, prof.headdim, prof.dstate, codec.granularity_code(fmt),
                                   batch, prof.nheads, prof.nheads // prof.ngroups, device.type == "cuda",
                                   fmt.stochastic, codec.dtype_code(fmt) if device.type == "cuda" else None)
-    if head_loop and device.type == "cuda" and config[3] != kernel.HEAD_LOOP_CONFIGS[(codec.dtype_code(fmt),
-                                                                                       fmt.stochastic)][2]:
+    loop = kernel.HEAD_LOOP_CONFIGS.get((codec.dtype_code(fmt), fmt.stochastic))
+    if head_loop and device.type == "cuda" and config[3] != loop[2]:
         failures.append(f"kernel {text} {prof.name}: batch {batch} does not take the head-loop launch ({config})")
     ys = []
     for t in range(steps):

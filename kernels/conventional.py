@@ -439,8 +439,8 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
     return block_p, block_n, warps
 
 
-# Programs that loop over heads of one group (B, C, the slot and the noise key loaded once), by
-# (dtype code, stochastic), for unscaled and row-scaled formats on a GPU: (rows, warps, Variant).
+# Programs that loop over heads of one group (B, C and the slot loaded once), by (dtype code,
+# stochastic), for unscaled and row-scaled formats on a GPU.
 # int8 row codes with round to nearest: 16 heads, the next head's codes, scale and inputs loaded
 # while one head is updated (``prefetch``), in 32 × 128 one-warp tiles (255 registers, triton
 # 3.6). H200, batch 256 (bench/README.md, run of 48e494d, and sweeps-2026-12-02-h.log):
