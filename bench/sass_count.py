@@ -169,8 +169,7 @@ def launch_conventional(text):
         _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H), _bf16(BATCH, H, P), torch.randn(H), None,
         _bf16(BATCH, H, P), 1, None, dtype_code=codec.dtype_code(fmt), granularity=gran, stochastic=fmt.stochastic,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=H // G,
-        block_p=block_p, num_warps=num_warps, variant=variant,
-        maxnreg=maxnreg)
+        block_p=block_p, num_warps=num_warps, variant=variant, maxnreg=maxnreg)
     return launches
 
 

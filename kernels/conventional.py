@@ -356,12 +356,14 @@ class Variant:
 # plain path (H200 sweep of d0c2baa, sweep-conventional-d0c2baa.json), and 320.4 against 331.6
 # (bf16 318.7 / 336.1) in the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among
 # head counts moves between machines, the gain over the plain path does not (bench/README.md).
+# The +sr noise stream every default launch draws (eight 16-bit draws per Philox4x32-7 call).
+_SR16 = dict(sr_stream=2, sr_rounds=7)
 DEFAULT_VARIANTS = {
     (4, False): Variant(),
     (2, False): Variant(even=True, heads_per_prog=2, prefetch=True),
     (1, False): Variant(),
-    (2, True): Variant(sr_stream=2, sr_rounds=7),
-    (1, True): Variant(sr_stream=2, sr_rounds=7),
+    (2, True): Variant(**_SR16),
+    (1, True): Variant(**_SR16),
 }
 
 
@@ -457,7 +459,6 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
 # against 322.0–326.8. Uncapped, the loops took 471.5–471.9 (bf16+sr), 403.5–408.7 (fp16+sr)
 # and 311.7–314.2 µs (int8:row+sr). fp8_e4m3:row+sr found nothing faster (346.6 at its tile; 2,
 # 4 or 8 heads 350.3–1245.3). Entries: (rows, warps, Variant, register cap or None).
-_SR16 = dict(sr_stream=2, sr_rounds=7)
 HEAD_LOOP_CONFIGS = {
     (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True), None),
     (codec.INT8, True): (16, 1, Variant(even=True, heads_per_prog=4, **_SR16), 128),
