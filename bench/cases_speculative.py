@@ -206,6 +206,35 @@ def _baseline_case(batch, device):
         bytes_moved=moved, make_buffers=make_buffers, run=run, set_bytes=batch * state_bytes * (1 + T_DRAFT))
 
 
+def eager_overhead(device, layer=LAYER):
+    """µs per eager round at batch 1, fp32 checkpoint + fp8_e4m3:row read copy, T = 4, every draft
+    accepted: the public ``replay_verify`` + ``replay_commit`` and their launchers alone (five
+    kernel launches a round either way)."""
+    from qstate.kernels.speculative import launch_replay_commit, launch_replay_verify
+
+    H, P = layer["nheads"], layer["headdim"]
+    cache = ReplayCache.allocate(1, **layer, ring_len=RING_LEN, read="fp8_e4m3:row", device=device,
+                                 max_draft=T_DRAFT)
+    cache.reset([0])
+    inp = draft_inputs(1, T_DRAFT, **layer, device=device)
+    out = torch.empty(1, T_DRAFT, H, P, device=device, dtype=torch.bfloat16)
+    accepted = torch.full((1,), T_DRAFT, dtype=torch.int32, device=device)
+
+    def public():
+        replay_verify(cache, **inp, dt_softplus=True, out=out)
+        replay_commit(cache, accepted)
+
+    def launchers():
+        launch_replay_verify(
+            *(inp[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")), True, None, out,
+            cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
+            cache.ring_B, cache.cursor, cache.generation, cache.drafts, cache.flush_rows, cache.flush_counters,
+            checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=cache.seed)
+        launch_replay_commit(accepted, None, cache.cursor, cache.drafts, cache.commit_errors, cache.num_slots)
+
+    return dict(public_us=harness.eager_us(public), launcher_us=harness.eager_us(launchers))
+
+
 @harness.register("speculative")
 def cases(device):
     out = []

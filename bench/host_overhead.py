@@ -5,7 +5,10 @@ timed is checks, argument plumbing and launch plans alone.
     python bench/host_overhead.py [--calls 2000]
 
 Prints µs per call (the median of five rounds): ``selective_state_update`` (fp32 state) and its
-launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) and its launcher. On a GPU
+launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) and its launcher,
+``replay_verify`` of 4 drafts (same cache formats) and its launcher, ``replay_commit`` and its
+launcher. On CPU tensors ``replay_commit`` also checks the accepted counts on the host, which it
+skips on a GPU (it would sync). On a GPU
 host the Triton launches add to these (bench/README.md, "Eager overhead").
 """
 
@@ -23,11 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qstate  # noqa: E402
 from qstate import profiles  # noqa: E402
-from qstate.kernels import conventional, replay  # noqa: E402
+from qstate.kernels import conventional, replay, speculative  # noqa: E402
 from qstate.kernels.launch import replace_kernel  # noqa: E402
 
 _KERNELS = {conventional: ["_conventional_kernel"],
-            replay: ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"]}
+            replay: ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"],
+            speculative: ["_group_BC_kernel", "_verify_kernel", "_verify_flush_kernel", "_verify_flushed_rows_kernel",
+                          "_commit_kernel"]}
 
 
 class _NoLaunch:
@@ -67,6 +72,11 @@ def main(argv=None) -> int:
     out = torch.empty_like(x)
     state = torch.zeros(1, H, P, N)
     cache = qstate.ReplayCache.allocate(1, H, P, N, G)
+    draft_cache = qstate.ReplayCache.allocate(1, H, P, N, G, max_draft=4)
+    drafts = {name: t[:, None].expand(1, 4, *t.shape[1:]).contiguous() for name, t in
+              (("x", x), ("dt", dt), ("B", B), ("C", C), ("z", z))}
+    draft_out = torch.empty_like(drafts["x"])
+    accepted = torch.full((1,), 4, dtype=torch.int32)
     fp32 = qstate.formats.StateFormat.parse("fp32")
 
     def public_conventional():
@@ -86,8 +96,31 @@ def main(argv=None) -> int:
             cache.read_scale, cache.ring_x, cache.ring_dt, cache.ring_B, cache.cursor, cache.generation,
             cache.flush_rows, cache.flush_counters, checkpoint_format=fp32, read_format=cache.read_format, seed=0)
 
+    draft_cache.drafts.fill_(4)  # what a verify records; the stubbed commit kernel never clears it
+
+    def public_verify():
+        qstate.replay_verify(draft_cache, drafts["x"], drafts["dt"], A, drafts["B"], drafts["C"], D, drafts["z"],
+                             dt_bias, True, out=draft_out)
+
+    def launcher_verify():
+        speculative.launch_replay_verify(
+            drafts["x"], drafts["dt"], A, drafts["B"], drafts["C"], D, drafts["z"], dt_bias, True, None, draft_out,
+            draft_cache.checkpoint, draft_cache.checkpoint_scale, draft_cache.read, draft_cache.read_scale,
+            draft_cache.ring_x, draft_cache.ring_dt, draft_cache.ring_B, draft_cache.cursor, draft_cache.generation,
+            draft_cache.drafts, draft_cache.flush_rows, draft_cache.flush_counters, checkpoint_format=fp32,
+            read_format=draft_cache.read_format, seed=0)
+
+    def public_commit():
+        qstate.replay_commit(draft_cache, accepted)
+
+    def launcher_commit():
+        speculative.launch_replay_commit(accepted, None, draft_cache.cursor, draft_cache.drafts,
+                                         draft_cache.commit_errors, 1)
+
     for name, fn in (("selective_state_update", public_conventional), ("  launcher", launcher_conventional),
-                     ("replay_decode", public_replay), ("  launcher", launcher_replay)):
+                     ("replay_decode", public_replay), ("  launcher", launcher_replay),
+                     ("replay_verify", public_verify), ("  launcher", launcher_verify),
+                     ("replay_commit", public_commit), ("  launcher", launcher_commit)):
         print(f"{name:24s} {_us(fn, args.calls):7.1f} us", flush=True)
     return 0
 

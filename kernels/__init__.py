@@ -5,11 +5,12 @@ launcher per op. Validation lives in :mod:`qstate.ops`."""
 def clear_launch_plans() -> None:
     """Forget the launchers' plans (tile, grid and constexprs, cached per call signature): call it
     after changing a launcher module's tuning constant, whose value a cached plan would keep."""
-    from . import conventional, replay
+    from . import conventional, replay, speculative
     from .launch import CompiledLaunch
 
-    for module in (conventional, replay):
-        module._plan.cache_clear()
-        for value in vars(module).values():
+    for module in (conventional, replay, speculative):
+        for name, value in vars(module).items():
             if isinstance(value, CompiledLaunch):
                 value.clear()
+            elif name.endswith("_plan") and hasattr(value, "cache_clear"):
+                value.cache_clear()

@@ -32,6 +32,8 @@ state after every token into ``intermediate[row, t]`` (T state writes per row);
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -40,7 +42,7 @@ import triton.language as tl
 
 from . import codec, exact_dot, gpu, sizes
 from .conventional import tile_config
-from .launch import register_cap
+from .launch import CompiledLaunch, register_cap
 from .replay import _fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of, _store_state
 from .gate import gate
 from .softplus import softplus
@@ -450,6 +452,15 @@ def _copy_accepted_kernel(src_ptr, dst_ptr, accepted_ptr, slot_ptr, per_slot, nu
 
 # ------------------------------------------------------------------------------------ launchers
 
+# Eager GPU launches through the compiled kernels (kernels/launch.py).
+_launch_group_BC = CompiledLaunch(_group_BC_kernel)
+_launch_verify = CompiledLaunch(_verify_kernel)
+_launch_verify_flush = CompiledLaunch(_verify_flush_kernel)
+_launch_flushed_rows = CompiledLaunch(_verify_flushed_rows_kernel)
+_launch_commit = CompiledLaunch(_commit_kernel)
+_launch_drafts = CompiledLaunch(_drafts_kernel)
+_launch_copy_accepted = CompiledLaunch(_copy_accepted_kernel)
+
 
 def _strides(x, dt, B, C, z, out):
     """Row, token and head/group strides of the (batch, T, ...) inputs, in the kernels' order."""
@@ -487,24 +498,29 @@ def flush_programs(batch: int, columns: int, per_sm: int, device: torch.device) 
     return max(1, min(batch, per_sm * gpu.sm_count(device) // columns))
 
 
-def launch_replay_verify(
-    x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
-    checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
-    flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
-    block_p: Optional[int] = None, num_warps: Optional[int] = None,
-):
-    """Launch one verify. Arguments are validated (``qstate.ops.speculative``): x, z, out
-    ``(batch, T, nheads, headdim)``, dt ``(batch, T, nheads)``, B, C ``(batch, T, ngroups,
-    dstate)``, unit stride in the last dimension; cache tensors contiguous, ring capacity
-    ``ring_x.shape[2] ≥ T``. ``block_p`` / ``num_warps`` override the verify kernel's tile."""
-    batch, T, nheads, headdim = x.shape
-    ngroups, dstate = B.shape[2], B.shape[3]
-    cap = ring_x.shape[2]
-    hw = codec.hardware_casts(x.device)
-    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
-    has_read = read is not None
+@dataclasses.dataclass(frozen=True)
+class _VerifyPlan:
+    """What a verify's four launches take besides the tensors and the input strides."""
+
+    bc_shape: tuple  # the B_j · C_i buffer's (batch, ngroups, positions, drafts)
+    bc_grid: tuple
+    bc_constexprs: dict
+    verify_grid: tuple
+    verify_constexprs: dict
+    flush_grid: tuple
+    flush_constexprs: dict
+    rows_grid: tuple
+    rows_constexprs: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def _verify_plan(batch, T, nheads, headdim, dstate, ngroups, cap, device, checkpoint_format, read_format, c_dtype,
+                 has_d, has_z, has_bias, dt_softplus, has_slots, block_p, num_warps) -> _VerifyPlan:
+    """Tiles, grids and constexprs of a verify: a function of the call's metadata, so an eager
+    caller computes them once per signature."""
+    hw = codec.hardware_casts(device)
+    has_read = read_format is not None
     state_fmt = read_format if has_read else checkpoint_format
-    state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     block_n = max(32, sizes.next_power_of_2(dstate))
     block_j = max(16, sizes.next_power_of_2(cap))
     block_t = max(2, sizes.next_power_of_2(T))
@@ -522,77 +538,119 @@ def launch_replay_verify(
     if whole_state_head:
         verify_p, verify_warps = whole_p, 4
     block_p = block_p or min(whole_p, verify_p)
-    num_warps = num_warps or verify_warps
     num_p_tiles = sizes.cdiv(headdim, block_p)
-    c_parts = draft_c_parts(state_fmt, C.dtype, block_p)
-    z_arg = z if z is not None else dummy
-    slots_arg = slot_indices if slot_indices is not None else dummy
-    D_arg = D if D is not None else dummy
-    bias_arg = dt_bias if dt_bias is not None else dummy
-    strides = _strides(x, dt, B, C, z, out)
-    flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-                 HAS_SLOTS=slot_indices is not None)
-    # B_j · C_i once per row and group (every head and tile of the group reads it).
-    BC = torch.empty((batch, ngroups, bc_rows, block_t), dtype=torch.float32, device=x.device)
-    _group_BC_kernel[(batch, ngroups)](
-        B, C, slots_arg, ring_B, cursor, BC, B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
-        C.stride(2), checkpoint.shape[0], dstate, CAP=cap, T=T, HAS_SLOTS=slot_indices is not None,
-        BLOCK_J=bc_rows, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
-    )
-    _verify_kernel[(nheads * num_p_tiles, batch)](
-        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
-        codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
-        *strides, checkpoint.shape[0], nheads, headdim, dstate, nheads // ngroups,
-        CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=num_p_tiles, C_PARTS=c_parts, BLOCK_J=bc_rows, BLOCK_P=block_p, BLOCK_N=block_n,
-        BLOCK_T=block_t, num_warps=num_warps, **register_cap(VERIFY_MAXNREG, x.device), **flags,
-    )
+    flags = dict(HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_bias, SOFTPLUS=dt_softplus, HAS_SLOTS=has_slots)
+    state_constants = dict(CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
+                           HW=hw)
+    verify = dict(**state_constants, NUM_P_TILES=num_p_tiles, C_PARTS=draft_c_parts(state_fmt, c_dtype, block_p),
+                  BLOCK_J=bc_rows, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_T=block_t,
+                  num_warps=num_warps or verify_warps, **register_cap(VERIFY_MAXNREG, device), **flags)
     # The flush walks the list in a few programs per multiprocessor.
     whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
     flush_block_p = whole_p if whole_head else min(FLUSH_TILE[0], whole_p)
     flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
-    programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, x.device)
-    _verify_flush_kernel[(programs, nheads * flush_p_tiles)](
-        A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
-        checkpoint_scale if checkpoint_scale is not None else dummy,
-        codec.storage_view(read, read_format) if has_read else dummy, read_scale if read_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
-        nheads, headdim, dstate, nheads // ngroups,
-        CAP=cap, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
-        **_format_constants(read_format, "RD_"), HW=hw, HAS_SLOTS=slot_indices is not None,
-        NUM_P_TILES=flush_p_tiles, BLOCK_J=block_j, BLOCK_P=flush_block_p,
-        BLOCK_N=block_n, num_warps=8 if whole_head else FLUSH_TILE[1], **register_cap(FLUSH_MAXNREG, x.device),
-    )
+    programs = flush_programs(batch, nheads * flush_p_tiles, FLUSH_PROGRAMS_PER_SM, device)
+    flush = dict(CAP=cap, **_format_constants(checkpoint_format, "CK_"), HAS_READ=has_read,
+                 **_format_constants(read_format, "RD_"), HW=hw, HAS_SLOTS=has_slots, NUM_P_TILES=flush_p_tiles,
+                 BLOCK_J=block_j, BLOCK_P=flush_block_p, BLOCK_N=block_n,
+                 num_warps=8 if whole_head else FLUSH_TILE[1], **register_cap(FLUSH_MAXNREG, device))
     # The flushed rows' drafts over the new state.
     rows_p, rows_warps = FLUSHED_ROWS_TILE
     if whole_state_head:
         rows_p, rows_warps = whole_p, 4
     rows_p = min(rows_p, whole_p)
     rows_p_tiles = sizes.cdiv(headdim, rows_p)
-    rows_programs = max(1, min(batch, sizes.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * gpu.sm_count(x.device),
+    rows_programs = max(1, min(batch, sizes.cdiv(FLUSHED_ROWS_PROGRAMS_PER_SM * gpu.sm_count(device),
                                                   nheads * rows_p_tiles)))
-    _verify_flushed_rows_kernel[(rows_programs, nheads * rows_p_tiles)](
-        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out,
-        codec.storage_view(state, state_fmt), state_scale if state_scale is not None else dummy,
+    rows = dict(**state_constants, NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows,
+                C_PARTS=draft_c_parts(state_fmt, c_dtype, rows_p), BLOCK_J=flushed_rows_j, BLOCK_P=rows_p,
+                BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_R=max(16, min(1024, sizes.next_power_of_2(batch))),
+                num_warps=rows_warps, **register_cap(FLUSHED_ROWS_MAXNREG, device), **flags)
+    return _VerifyPlan(
+        (batch, ngroups, bc_rows, block_t), (batch, ngroups),
+        dict(CAP=cap, T=T, HAS_SLOTS=has_slots, BLOCK_J=bc_rows, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4),
+        (nheads * num_p_tiles, batch), verify, (programs, nheads * flush_p_tiles), flush,
+        (rows_programs, nheads * rows_p_tiles), rows)
+
+
+def launch_replay_verify(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
+    checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
+    flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
+    block_p: Optional[int] = None, num_warps: Optional[int] = None,
+):
+    """Launch one verify. Arguments are validated (``qstate.ops.speculative``): x, z, out
+    ``(batch, T, nheads, headdim)``, dt ``(batch, T, nheads)``, B, C ``(batch, T, ngroups,
+    dstate)``, unit stride in the last dimension; cache tensors contiguous, ring capacity
+    ``ring_x.shape[2] ≥ T``. ``block_p`` / ``num_warps`` override the verify kernel's tile."""
+    batch, T, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    has_read = read is not None
+    plan = _verify_plan(batch, T, nheads, headdim, dstate, ngroups, ring_x.shape[2], x.device, checkpoint_format,
+                        read_format if has_read else None, C.dtype, D is not None, z is not None,
+                        dt_bias is not None, bool(dt_softplus), slot_indices is not None, block_p, num_warps)
+    state_fmt = read_format if has_read else checkpoint_format
+    state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
+    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
+    z_arg = z if z is not None else dummy
+    slots_arg = slot_indices if slot_indices is not None else dummy
+    D_arg = D if D is not None else dummy
+    bias_arg = dt_bias if dt_bias is not None else dummy
+    state_scale_arg = state_scale if state_scale is not None else dummy
+    strides = _strides(x, dt, B, C, z, out)
+    num_slots = checkpoint.shape[0]
+    on_gpu = x.is_cuda
+    # B_j · C_i once per row and group (every head and tile of the group reads it).
+    BC = torch.empty(plan.bc_shape, dtype=torch.float32, device=x.device)
+    _launch_group_BC(plan.bc_grid, (
+        B, C, slots_arg, ring_B, cursor, BC, B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
+        C.stride(2), num_slots, dstate), plan.bc_constexprs, on_gpu)
+    _launch_verify(plan.verify_grid, (
+        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out, codec.storage_view(state, state_fmt), state_scale_arg,
+        ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
+        *strides, num_slots, nheads, headdim, dstate, nheads // ngroups), plan.verify_constexprs, on_gpu)
+    _launch_verify_flush(plan.flush_grid, (
+        A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
+        checkpoint_scale if checkpoint_scale is not None else dummy,
+        codec.storage_view(read, read_format) if has_read else dummy, read_scale if read_scale is not None else dummy,
+        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
+        nheads, headdim, dstate, nheads // ngroups), plan.flush_constexprs, on_gpu)
+    _launch_flushed_rows(plan.rows_grid, (
+        x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out, codec.storage_view(state, state_fmt), state_scale_arg,
         ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
-        *strides, nheads, headdim, dstate, nheads // ngroups,
-        CAP=cap, T=T, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt), HW=hw,
-        NUM_P_TILES=rows_p_tiles, BC_ROWS=bc_rows, C_PARTS=draft_c_parts(state_fmt, C.dtype, rows_p),
-        BLOCK_J=flushed_rows_j, BLOCK_P=rows_p, BLOCK_N=block_n, BLOCK_T=block_t,
-        BLOCK_R=max(16, min(1024, sizes.next_power_of_2(batch))), num_warps=rows_warps,
-        **register_cap(FLUSHED_ROWS_MAXNREG, x.device), **flags,
-    )
+        *strides, nheads, headdim, dstate, nheads // ngroups), plan.rows_constexprs, on_gpu)
+
+
+@functools.lru_cache(maxsize=1024)
+def _commit_plan(batch, has_slots) -> tuple:
+    """Grid and constexprs of a commit."""
+    block_r = max(16, min(1024, sizes.next_power_of_2(batch)))
+    return (sizes.cdiv(batch, block_r),), dict(HAS_SLOTS=has_slots, BLOCK_R=block_r, num_warps=4)
 
 
 def launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, num_slots: int):
     """Launch one commit: ``num_accepted (batch,)`` int32/int64, ``slot_indices (batch,)`` or None."""
     batch = num_accepted.shape[0]
-    block_r = max(16, min(1024, sizes.next_power_of_2(batch)))
-    _commit_kernel[(sizes.cdiv(batch, block_r),)](
+    grid, constexprs = _commit_plan(batch, slot_indices is not None)
+    _launch_commit(grid, (
         num_accepted, slot_indices if slot_indices is not None else num_accepted, cursor, drafts, commit_errors,
-        batch, num_slots, HAS_SLOTS=slot_indices is not None, BLOCK_R=block_r, num_warps=4,
-    )
+        batch, num_slots), constexprs, num_accepted.is_cuda)
+
+
+@functools.lru_cache(maxsize=1024)
+def _drafts_plan(batch, T, t_max, nheads, headdim, dstate, state_bytes, device, state_format, has_d, has_z,
+                 has_bias, dt_softplus, has_slots, block_p, num_warps) -> tuple:
+    """Grid and constexprs of the per-draft-state baseline."""
+    config_p, _, config_warps = tile_config(state_bytes, headdim, dstate, codec.granularity_code(state_format),
+                                            batch, nheads, device.type == "cuda")
+    block_p = block_p or config_p
+    num_p_tiles = sizes.cdiv(headdim, block_p)
+    return (nheads * num_p_tiles, batch), dict(
+        T=T, T_MAX=t_max, DTYPE=codec.dtype_code(state_format), GRAN=codec.granularity_code(state_format),
+        QMAX=codec.qmax(state_format), EMAX=codec.emax(state_format), HW=codec.hardware_casts(device),
+        HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_bias, SOFTPLUS=dt_softplus, HAS_SLOTS=has_slots,
+        NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=max(32, sizes.next_power_of_2(dstate)),
+        num_warps=num_warps or config_warps)
 
 
 def launch_drafts(
@@ -604,27 +662,23 @@ def launch_drafts(
     format's storage dtype (contiguous), inputs as in :func:`launch_replay_verify`."""
     batch, T, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
-    t_max = intermediate.shape[1]
+    grid, constexprs = _drafts_plan(batch, T, intermediate.shape[1], nheads, headdim, dstate, state.element_size(),
+                                    x.device, state_format, D is not None, z is not None, dt_bias is not None,
+                                    bool(dt_softplus), slot_indices is not None, block_p, num_warps)
     dummy = x
-    block_n = max(32, sizes.next_power_of_2(dstate))
-    config_p, _, config_warps = tile_config(state.element_size(), headdim, dstate, codec.granularity_code(state_format),
-                                            batch, nheads, x.device.type == "cuda")
-    block_p = block_p or config_p
-    num_warps = num_warps or config_warps
-    num_p_tiles = sizes.cdiv(headdim, block_p)
-    z_arg = z if z is not None else dummy
-    _drafts_kernel[(nheads * num_p_tiles, batch)](
+    _launch_drafts(grid, (
         codec.storage_view(state, state_format), state_scale if state_scale is not None else dummy,
         codec.storage_view(intermediate, state_format), intermediate_scale if intermediate_scale is not None else dummy,
-        x, dt, A, B, C, D if D is not None else dummy, z_arg, dt_bias if dt_bias is not None else dummy,
-        slot_indices if slot_indices is not None else dummy, out,
-        *_strides(x, dt, B, C, z, out), state.shape[0], nheads, headdim, dstate, nheads // ngroups,
-        T=T, T_MAX=t_max, DTYPE=codec.dtype_code(state_format), GRAN=codec.granularity_code(state_format),
-        QMAX=codec.qmax(state_format), EMAX=codec.emax(state_format), HW=codec.hardware_casts(x.device),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        HAS_SLOTS=slot_indices is not None, NUM_P_TILES=num_p_tiles, BLOCK_P=block_p, BLOCK_N=block_n,
-        num_warps=num_warps,
-    )
+        x, dt, A, B, C, D if D is not None else dummy, z if z is not None else dummy,
+        dt_bias if dt_bias is not None else dummy, slot_indices if slot_indices is not None else dummy, out,
+        *_strides(x, dt, B, C, z, out), state.shape[0], nheads, headdim, dstate, nheads // ngroups),
+        constexprs, x.is_cuda)
+
+
+@functools.lru_cache(maxsize=1024)
+def _copy_plan(t_max, has_slots, block) -> dict:
+    """Constexprs of a copy of accepted states."""
+    return dict(T_MAX=t_max, HAS_SLOTS=has_slots, BLOCK=block, num_warps=4)
 
 
 def launch_copy_accepted(src, dst, num_accepted, slot_indices, *, block: int = 4096):
@@ -636,7 +690,6 @@ def launch_copy_accepted(src, dst, num_accepted, slot_indices, *, block: int = 4
         # Move whole 32-bit words: the copy is bit for bit anyway.
         src, dst = src.view(torch.int32), dst.view(torch.int32)
         per_slot = dst[0].numel()
-    _copy_accepted_kernel[(sizes.cdiv(per_slot, block), batch)](
-        src, dst, num_accepted, slot_indices if slot_indices is not None else num_accepted, per_slot, dst.shape[0],
-        T_MAX=t_max, HAS_SLOTS=slot_indices is not None, BLOCK=block, num_warps=4,
-    )
+    _launch_copy_accepted((sizes.cdiv(per_slot, block), batch), (
+        src, dst, num_accepted, slot_indices if slot_indices is not None else num_accepted, per_slot, dst.shape[0]),
+        _copy_plan(t_max, slot_indices is not None, block), dst.is_cuda)

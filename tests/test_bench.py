@@ -17,6 +17,22 @@ def test_set_constant_sets_a_launcher_constant_to_a_literal(monkeypatch):
     assert speculative.FLUSH_TILE == (16, 4)
 
 
+def test_set_constant_reaches_a_cached_launch_plan(monkeypatch):
+    """Launchers cache their plans per call signature; a tuning constant set for a sweep must
+    still reach the next launch (set_constant clears the plans)."""
+    from qstate.formats import StateFormat
+
+    fp32, fp8 = StateFormat.parse("fp32"), StateFormat.parse("fp8_e4m3:row")
+    signature = (256, 4, 128, 64, 128, 8, 20, torch.device("cpu"), fp32, fp8, torch.bfloat16, True, True, True, True,
+                 False, None, None)
+    plan = speculative._verify_plan(*signature)
+    assert speculative._verify_plan(*signature) is plan
+    assert plan.flush_constexprs["BLOCK_P"] == speculative.FLUSH_TILE[0] != 16
+    monkeypatch.setattr(speculative, "FLUSH_TILE", speculative.FLUSH_TILE)
+    breakdown.set_constant("qstate.kernels.speculative.FLUSH_TILE = (16, 4)")
+    assert speculative._verify_plan(*signature).flush_constexprs["BLOCK_P"] == 16
+
+
 @pytest.mark.parametrize("assignment, message", [
     ("FLUSH_TILE", "expected MODULE.NAME=VALUE"),
     ("qstate.kernels.speculative.NO_SUCH_TILE=(1, 1)", "has no attribute 'NO_SUCH_TILE'"),

@@ -22,7 +22,6 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
-from ..formats import StateFormat
 from . import _common, _signature
 from ._register import mutating_op
 from .replay import (_check_out, _check_ring_inputs, _check_slot_indices, _check_slot_layout, _checked_ring_call,
@@ -49,8 +48,8 @@ def _replay_verify_impl(
     launch_replay_verify(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
         checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
-        flush_rows, flush_counters, checkpoint_format=StateFormat.parse(checkpoint_format),
-        read_format=None if read_format is None else StateFormat.parse(read_format), seed=seed,
+        flush_rows, flush_counters, checkpoint_format=_common.format_constants(checkpoint_format).fmt,
+        read_format=None if read_format is None else _common.format_constants(read_format).fmt, seed=seed,
     )
 
 
@@ -77,7 +76,7 @@ def _drafts_impl(
     from ..kernels.speculative import launch_drafts
 
     launch_drafts(state, state_scale, intermediate, intermediate_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                  slot_indices, out, state_format=StateFormat.parse(state_format))
+                  slot_indices, out, state_format=_common.format_constants(state_format).fmt)
 
 
 _drafts_op = mutating_op("qstate::selective_state_update_drafts", _drafts_impl,
