@@ -186,11 +186,9 @@ def _store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, 
 @triton.jit
 def _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count, A, rows, cols, mask_p, mask_n,
                headdim, dstate, CAP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
-               BLOCK_N: tl.constexpr, CURRENT: tl.constexpr, dt_now, x_now, B_now):
+               BLOCK_N: tl.constexpr):
     """The ring's first ``count`` tokens folded over a zero state, ``Σ_j exp(A·(Λ − Λ_j))·dt_j ·
-    x_j ⊗ B_j`` ([BLOCK_P, BLOCK_N] fp32), and ``Λ = Σ_j dt_j``. ``CURRENT``: one more token at
-    position ``count``, given as ``dt_now``, ``x_now [BLOCK_P]`` and ``B_now [BLOCK_N]`` (fp32)
-    instead of read from the ring; the same sums in the same order as if it had been.
+    x_j ⊗ B_j`` ([BLOCK_P, BLOCK_N] fp32), and ``Λ = Σ_j dt_j``.
 
     One ``[BLOCK_P, 16] × [16, BLOCK_N]`` product per 16 tokens ("ieee": fp32 products): a
     single product over a 32-token ring took every register and spilled, and one rank-1 update
@@ -199,30 +197,19 @@ def _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count
     instructions): a verify flush folds 13–20 tokens of a 32-token tile."""
     CHUNK: tl.constexpr = 16
     js = tl.arange(0, BLOCK_J)
-    dts_all = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < count, other=0.0)
-    if CURRENT:
-        dts_all = tl.where(js == count, dt_now, dts_all)
-        tokens = count + 1
-    else:
-        tokens = count
-    total = tl.sum(dts_all, axis=0)
+    total = tl.sum(tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < count, other=0.0), axis=0)
     ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     before = total * 0.0  # Σ dt of the earlier chunks (an fp32 tensor, as the loop carries it)
-    for c in range(0, tl.cdiv(tokens, CHUNK)):
+    for c in range(0, tl.cdiv(count, CHUNK)):
         jc = c * CHUNK + tl.arange(0, CHUNK)
         live = jc < count
         dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=live, other=0.0)  # [CHUNK]
+        weights = tl.exp(A * (total - (before + tl.cumsum(dts, axis=0)))) * dts
+        before += tl.sum(dts, axis=0)
         x_ring = tl.load(ring_x_ptr + (ring_head * CAP + jc[:, None]) * headdim + rows[None, :],
                          mask=live[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_P]
         B_ring = tl.load(ring_B_ptr + (ring_group * CAP + jc[:, None]) * dstate + cols[None, :],
                          mask=live[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_N]
-        if CURRENT:
-            now = jc == count
-            dts = tl.where(now, dt_now, dts)
-            x_ring = tl.where(now[:, None], x_now[None, :], x_ring)
-            B_ring = tl.where(now[:, None], B_now[None, :], B_ring)
-        weights = tl.exp(A * (total - (before + tl.cumsum(dts, axis=0)))) * dts
-        before += tl.sum(dts, axis=0)
         ring += tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")
     return ring, total
 
@@ -239,82 +226,18 @@ def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, HAS_D: tl.constexp
 
 
 @triton.jit
-def _flush_tile(x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr,
-                ring_x_ptr, ring_dt_ptr, ring_B_ptr, generation_ptr, seed, b, slot, h, g, A, rows, cols, mask_p,
-                mask_n, dt_now, B_now, stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h,
-                stride_y_b, stride_y_h, nheads, heads_per_group, headdim, dstate, L: tl.constexpr,
-                CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
-                CK_EMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
-                RD_SR: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
-                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CURRENT: tl.constexpr, BLOCK_L: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A flush of one (row, head, rows) tile: the ring folded into the checkpoint, the row's
-    output from the unrounded new state, the checkpoint and read copy stored. ``CURRENT``: the
-    ring holds ``L − 1`` tokens and the row's own token (``dt_now``, ``B_now``, x) comes from
-    registers (the step kernel's inline flush), and the slot's flush count (``generation``) is
-    still to be bumped (by the flush kernel after the step); else all ``L`` are in the ring and
-    the count was bumped by the step kernel."""
-    mask = mask_p[:, None] & mask_n[None, :]
-    ring_head = slot.to(tl.int64) * nheads + h
-    ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-    x_ptrs = x_ptr + b * stride_x_b + h * stride_x_h + rows
-    # The fold before the state loads: loaded first, the state tiles held their registers
-    # through the product (flush step 1221 µs against 928 on the H200).
-    if CURRENT:
-        x_now = tl.load(x_ptrs, mask=mask_p, other=0.0).to(tl.float32)
-        ring, total = _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L - 1, A, rows, cols,
-                                 mask_p, mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N, True, dt_now, x_now,
-                                 B_now)
-    else:
-        ring, total = _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L, A, rows, cols, mask_p,
-                                 mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N, False, 0.0, 0.0, 0.0)
-    checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
-                             CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
-    # The new state, unrounded: the row's output reads it (not the old read copy, which a
-    # flush never loads), and the checkpoint and read copy store it.
-    # Written twice on purpose: one tensor feeding both the output's sum and the stores took
-    # the fp8 read-copy kernel past its 128-register cap (spills: 2760 against 1856
-    # instructions per thread, bench.sass_count); both compile to the same FMA.
-    decay = tl.exp(A * total)
-    C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
-    y = tl.sum((ring + decay * checkpoint) * C_t[None, :], axis=1)
-    new_state = decay * checkpoint + ring  # [BLOCK_P, BLOCK_N]
-    x_t = tl.load(x_ptrs, mask=mask_p, other=0.0).to(tl.float32)
-    _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
-                    z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
-    # Stochastic rounding: one Philox stream per (slot, flush), the element's row and octet as counter.
-    generation = tl.load(generation_ptr + slot).to(tl.int64)
-    if CURRENT:
-        generation += 1
-    stream = seed + (slot.to(tl.int64) << 32) + generation * 2
-    stored = _store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
-                          nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
-    if HAS_READ:
-        _store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
-                     nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
-
-
-@triton.jit
 def _replay_step_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
     state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
     flush_rows_ptr, flush_counters_ptr,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_y_b, stride_y_h,
-    num_slots, nheads, headdim, dstate, heads_per_group, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, seed,
+    num_slots, nheads, headdim, dstate, heads_per_group,
     L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, STATE_FIRST: tl.constexpr,
-    INLINE_FLUSH: tl.constexpr, FLUSH_ROWS: tl.constexpr, FLUSH_BLOCK_L: tl.constexpr,
-    CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
-    CK_EMAX: tl.constexpr,
-    HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
-    RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One head and P-tile of one row per program, grid ``(nheads × P-tiles, batch)``.
-    ``INLINE_FLUSH``: a row whose ring becomes full flushes its tile here, in ``FLUSH_ROWS``-row
-    pieces (kernels/README.md, "inline flush"), instead of joining the flush kernel's list."""
     pdl.grid_dependency(PDL)
     h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
                                                           NUM_P_TILES, BLOCK_P, BLOCK_N)
@@ -350,11 +273,10 @@ def _replay_step_kernel(
             tl.store(ring_dt_ptr + ring_head * L + n, dt)
             if h % heads_per_group == 0:
                 tl.store(ring_B_ptr + (ring_group * L + n) * dstate + cols, B_t, mask=mask_n)
-            if not INLINE_FLUSH:
-                if (h == 0) & full:
-                    position = tl.atomic_add(flush_counters_ptr, 1)
-                    tl.store(flush_rows_ptr + position, b)
-                    tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+            if (h == 0) & full:
+                position = tl.atomic_add(flush_counters_ptr, 1)
+                tl.store(flush_rows_ptr + position, b)
+                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
         if n != L - 1:
             if not STATE_FIRST:
                 state, row_scale = _load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads,
@@ -380,20 +302,6 @@ def _replay_step_kernel(
             y = tl.exp(A * total) * state_C + y_ring
             _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
                             mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
-        elif INLINE_FLUSH:
-            # This program's rows of the head, FLUSH_ROWS at a time (the fold's accumulator for
-            # the whole tile would take every register of its one warp).
-            A = tl.load(A_ptr + h).to(tl.float32)
-            first = p_tile * BLOCK_P
-            for r0 in range(first, tl.minimum(first + BLOCK_P, headdim), FLUSH_ROWS):
-                piece = r0 + tl.arange(0, FLUSH_ROWS)
-                _flush_tile(x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr,
-                            ring_x_ptr, ring_dt_ptr, ring_B_ptr, generation_ptr, seed, b, slot, h, g, A, piece, cols,
-                            (piece < headdim) & (piece < first + BLOCK_P), mask_n, dt, B_t.to(tl.float32),
-                            stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h,
-                            stride_y_b, stride_y_h, nheads, heads_per_group, headdim, dstate, L,
-                            CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX,
-                            RD_EMAX, HW, HAS_D, HAS_Z, True, FLUSH_BLOCK_L, FLUSH_ROWS, BLOCK_N)
 
 
 @triton.jit
@@ -525,7 +433,7 @@ def _replay_flush_kernel(
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     LOOP_STAGES: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BUMP_GENERATION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.grid_dependency(PDL)
     pid = tl.program_id(0)
@@ -538,15 +446,37 @@ def _replay_flush_kernel(
         r = item // columns
         h, p_tile, g, rows, cols, mask_p, mask_n = _head_tile(item % columns, HEADS_PER_GROUP, headdim, dstate,
                                                               NUM_P_TILES, BLOCK_P, BLOCK_N)
+        mask = mask_p[:, None] & mask_n[None, :]
         A = tl.load(A_ptr + h).to(tl.float32)
         b = tl.load(flush_rows_ptr + r)
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
-        _flush_tile(x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr,
-                    ring_x_ptr, ring_dt_ptr, ring_B_ptr, generation_ptr, seed, b, slot, h, g, A, rows, cols, mask_p,
-                    mask_n, 0.0, 0.0, stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h,
-                    stride_y_b, stride_y_h, NHEADS, HEADS_PER_GROUP, headdim, dstate, L,
-                    CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX,
-                    HW, HAS_D, HAS_Z, False, BLOCK_L, BLOCK_P, BLOCK_N)
+        ring_head = slot.to(tl.int64) * NHEADS + h
+        ring_group = slot.to(tl.int64) * (NHEADS // HEADS_PER_GROUP) + g
+        # The fold before the state loads: loaded first, the state tiles held their registers
+        # through the product (flush step 1221 µs against 928 on the H200).
+        ring, total = _fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L, A, rows, cols, mask_p,
+                                 mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N)
+        checkpoint = _load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, NHEADS, headdim, dstate,
+                                 CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
+        # The new state, unrounded: the row's output reads it (not the old read copy, which a
+        # flush never loads), and the checkpoint and read copy store it.
+        # Written twice on purpose: one tensor feeding both the output's sum and the stores took
+        # the fp8 read-copy kernel past its 128-register cap (spills: 2760 against 1856
+        # instructions per thread, bench.sass_count); both compile to the same FMA.
+        decay = tl.exp(A * total)
+        C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+        y = tl.sum((ring + decay * checkpoint) * C_t[None, :], axis=1)
+        new_state = decay * checkpoint + ring  # [BLOCK_P, BLOCK_N]
+        x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
+        _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
+                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
+        # Stochastic rounding: one Philox stream per (slot, flush), the element's row and octet as counter.
+        stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
+        stored = _store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
+                              NHEADS, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
+        if HAS_READ:
+            _store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
+                         NHEADS, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
     # Every row's cursor moves on by one token (to 0 after a flush); the step kernel of this
     # call has finished, so no program reads a cursor while it changes.
     batch_rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -558,10 +488,6 @@ def _replay_flush_kernel(
     live = (slots >= 0) & (slots < num_slots)
     n = tl.load(cursor_ptr + slots, mask=live, other=0)
     tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
-    if BUMP_GENERATION:
-        # The step kernel flushed these rows itself (INLINE_FLUSH) and left their count of flushes to us.
-        flushed = live & (n + 1 == L)
-        tl.store(generation_ptr + slots, tl.load(generation_ptr + slots, mask=flushed, other=0) + 1, mask=flushed)
     # The last program to finish empties the flush list: every program has read `count` by then.
     # An empty list needs no emptying, so then no program takes a ticket: on most steps of a
     # cycle the one atomic per program on one address was most of this kernel's time.
@@ -650,17 +576,6 @@ FLUSH_MAXNREG = {False: 168, True: 128}
 # 3 stages took 729 µs against 914 (2: 785; bench/README.md, runs of 2026-12-01); with an fp8
 # read copy they were slower, with items 1318.8 (2: 1280.7) against 840.3 (run 4).
 FLUSH_STAGES = {False: 3, True: None}
-# Batches up to INLINE_FLUSH_MAX_BATCH rows (per-head step kernel, no per-head scale) flush in the
-# step kernel: each program folds its own tile when its row's ring becomes full, INLINE_FLUSH_ROWS
-# rows at a time (a product's least height), so a flush step needs no second pass over a list
-# whose few items the persistent flush grid walks one after another (kernels/README.md, "inline
-# flush"). The flush kernel still runs: it moves the cursors and counts the flushes.
-INLINE_FLUSH_MAX_BATCH = 16
-INLINE_FLUSH_ROWS = 16
-# Register cap of a step kernel that flushes inline: the fold's path would set the kernel's
-# registers (255 uncapped, triton 3.6), so that at batch 16 not all 2048 one-warp programs of a
-# normal step would fit on the GPU at once.
-INLINE_FLUSH_MAXNREG = 128
 
 
 # Eager GPU launches through the compiled kernels (kernels/launch.py).
@@ -711,20 +626,6 @@ def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, check
     step = dict(L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
                 HAS_BIAS=has_bias, SOFTPLUS=dt_softplus, BLOCK_L=block_l, **common)
     heads_per_group = nheads // ngroups
-    # A per-head scale needs the whole head in one flush tile.
-    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    formats = dict(
-        CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
-        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
-        CK_EMAX=codec.emax(checkpoint_format), HAS_READ=has_read,
-        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
-        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
-        RD_SR=read_format.stochastic if has_read else False,
-        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
-        RD_EMAX=codec.emax(read_format) if has_read else 0,
-    )
-    inline = False
-    flush_block_l = max(16, block_l)  # the fold's dt tile; the same in both flush paths, so the same sums
     if heads_per_program is None:
         heads_per_program = default_heads_per_program(batch)
     if heads_per_program:
@@ -744,19 +645,26 @@ def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, check
         block_p = step_block_p or block_p
         num_p_tiles = sizes.cdiv(headdim, block_p)
         step_grid = (nheads * num_p_tiles, batch)
-        inline = batch <= INLINE_FLUSH_MAX_BATCH and not whole_head
         step.update(NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state_bytes] or batch < STATE_FIRST_BELOW_BATCH,
-                    INLINE_FLUSH=inline, FLUSH_ROWS=INLINE_FLUSH_ROWS, FLUSH_BLOCK_L=flush_block_l, **formats,
-                    BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps,
-                    **register_cap(INLINE_FLUSH_MAXNREG if inline else None, device))
+                    BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps)
+    # A per-head scale needs the whole head in one flush tile.
+    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
     flush_tile_rows, flush_warps = FLUSH_TILE[has_read]
     flush_block_p = whole_p if whole_head else min(flush_tile_rows, whole_p)
     flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
     per_sm = WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM if whole_head else FLUSH_PROGRAMS_PER_SM[has_read]
     programs = max(1, min(batch * nheads * flush_p_tiles, per_sm * gpu.sm_count(device)))
     flush = dict(
-        NHEADS=nheads, HEADS_PER_GROUP=heads_per_group, L=L, **formats, BUMP_GENERATION=inline,
-        NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=flush_block_l,
+        NHEADS=nheads, HEADS_PER_GROUP=heads_per_group, L=L,
+        CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
+        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
+        CK_EMAX=codec.emax(checkpoint_format), HAS_READ=has_read,
+        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
+        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
+        RD_SR=read_format.stochastic if has_read else False,
+        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
+        RD_EMAX=codec.emax(read_format) if has_read else 0,
+        NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
         BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs))),
         num_warps=8 if whole_head else flush_warps,
         **register_cap(None if whole_head else FLUSH_MAXNREG[has_read], device), **common,
@@ -801,17 +709,16 @@ def launch_replay_decode(
         z_strides[0], z_strides[1], out_strides[0], out_strides[1],
     )
     on_gpu = x.is_cuda
-    checkpoint_args = (codec.storage_view(checkpoint, checkpoint_format),
-                       checkpoint_scale if checkpoint_scale is not None else dummy,
-                       codec.storage_view(read, read_format) if has_read else dummy,
-                       read_scale if read_scale is not None else dummy)
     if plan.grouped:
         _launch_step_grouped(plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs, on_gpu)
     else:
-        _launch_step(plan.step_grid, (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1],
-                                      *checkpoint_args, seed), plan.step_constexprs, on_gpu)
+        _launch_step(plan.step_grid, (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1]),
+                     plan.step_constexprs, on_gpu)
     _launch_flush(plan.flush_grid, (
-        x, A, C, D_arg, z_arg, slots_arg, out, *checkpoint_args,
+        x, A, C, D_arg, z_arg, slots_arg, out,
+        codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
+        codec.storage_view(read, read_format) if has_read else dummy,
+        read_scale if read_scale is not None else dummy,
         ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
         x_strides[0], x_strides[1], C_strides[0], C_strides[1], z_strides[0], z_strides[1],
         out_strides[0], out_strides[1], batch, num_slots, headdim, B.shape[2],
