@@ -575,8 +575,9 @@ FLUSH_MAXNREG = {False: 168, True: 128}
 # copy (None: the compiler's default). H200, batch 256, every row flushing: without a read copy
 # 3 stages took 729 µs against 914 (2: 785; bench/README.md, runs of 2026-12-01); with an fp8
 # read copy they were slower, with items 1318.8 (2: 1280.7) against 840.3 (run 4), and at the
-# no-read shape too (32 × 2, 6 per multiprocessor, 168 registers without spills: 912–928 against
-# 801–816, run 2 of bench/results/sweeps-2026-12-03-q.log).
+# no-read shape too (32 × 2, 6 per multiprocessor, 168 registers without spills: 909–911
+# against 797–804, run 5 of bench/results/sweeps-2026-12-02-i.log; again in run 2 of
+# sweeps-2026-12-03-q.log).
 FLUSH_STAGES = {False: 3, True: None}
 
 
