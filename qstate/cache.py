@@ -25,7 +25,8 @@ block) so that a kernel program reads its head's ring in one sweep; ``B`` is sto
 group, as the inputs give it. ``generation`` numbers the flushes of a slot; stochastic
 rounding draws its noise from it, so replaying a CUDA graph draws fresh noise.
 ``flush_rows`` and ``flush_counters`` are the work list of one step (rows whose ring became
-full); they are zero between calls.
+full): ``flush_counters`` is zero between calls, and ``flush_rows`` keeps the last list, which
+nothing reads past the count.
 
 Speculative decoding (:func:`qstate.replay_verify`, :func:`qstate.replay_commit`, DESIGN.md
 §3.2) needs room for the drafts beyond the committed tokens: ``allocate(..., max_draft=T_max)``
@@ -43,6 +44,7 @@ sequence with :meth:`reset` after prefill.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -113,7 +115,8 @@ class ReplayCache:
         capacity = ring_len + max_draft
         ck_fmt, read_fmt = _formats(checkpoint, read)
         _check_input_dtype(input_dtype)
-        device = torch.device("cpu") if device is None else torch.device(device)
+        device = _device(device)
+        _check_seed(seed)
         shape = (num_slots, nheads, headdim, dstate)
         _check_block32(ck_fmt, "checkpoint", dstate)
         _check_block32(read_fmt, "read", dstate)
@@ -158,6 +161,7 @@ class ReplayCache:
         ck_fmt, read_fmt = _formats(checkpoint_format, read_format)
         _validate.tensor("ring_x", ring_x, ndim=4)
         _check_max_draft(max_draft)
+        _check_seed(seed)
         if ring_x.shape[2] <= max_draft:
             raise ValueError(f"ring_x: expected more than max_draft = {max_draft} tokens (ring_len + max_draft), "
                              f"got {ring_x.shape[2]}")
@@ -299,11 +303,13 @@ class ReplayCache:
             idx = slots.to(device=self.device, dtype=torch.long)
         else:
             try:
-                idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-            except (TypeError, ValueError, RuntimeError):
+                values = list(slots)
+            except TypeError:
                 raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {slots!r}") from None
-            if idx.dim() != 1:
+            # torch.tensor(..., dtype=long) would truncate 1.5 to slot 1.
+            if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
                 raise TypeError(f"{name}: expected a flat sequence of ints, got {slots!r}")
+            idx = torch.tensor(values, dtype=torch.long, device=self.device)
         if idx.numel() == 0:
             return idx
         lo, hi = int(idx.min()), int(idx.max())
@@ -322,6 +328,8 @@ class ReplayCache:
         read copy ``quantize(dequantize(checkpoint), read_format)``, as the reference does.
         Stochastic checkpoint formats draw from ``generator``.
         """
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         idx = self._slots(slots)
         shape = (idx.numel(), self.nheads, self.headdim, self.dstate)
         if state is None:
@@ -363,7 +371,9 @@ class ReplayCache:
 
         ``S = exp(A·Λ)·deq(checkpoint) + Σ_j exp(A·(Λ − Λ_j))·dt_j · x_j ⊗ B_j`` over the
         ``cursor`` tokens in each ring (DESIGN.md §3), computed in fp64 and rounded to fp32.
-        ``A (nheads,)`` is the layer's ``A``, needed for the decay.
+        ``A (nheads,)`` is the layer's ``A``, needed for the decay. Ring entries past the
+        cursor (tokens of an earlier cycle, rejected drafts) are not read, so a NaN there does
+        not reach the result.
         """
         idx = self._slots(slots)
         _validate.tensor("A", A, ndim=1)
@@ -371,14 +381,17 @@ class ReplayCache:
         f = torch.float64
         S = self.checkpoint_values(idx).to(f)
         n = self.cursor[idx].long()  # [n_slots]
-        live = (torch.arange(self.capacity, device=self.device)[None, :] < n[:, None]).to(f)  # [n_slots, L]
-        dts = self.ring_dt[idx].to(f) * live[:, None, :]  # [n_slots, nheads, L]; empty entries weigh 0
+        live = torch.arange(self.capacity, device=self.device)[None, :] < n[:, None]  # [n_slots, L]
+        # Selected, not multiplied by 0: an entry past the cursor may hold NaN or inf.
+        dts = torch.where(live[:, None, :], self.ring_dt[idx].to(f), 0.0)  # [n_slots, nheads, L]
+        xs = torch.where(live[:, None, :, None], self.ring_x[idx].to(f), 0.0)  # [n_slots, nheads, L, P]
+        Bs = torch.where(live[:, None, :, None], self.ring_B[idx].to(f), 0.0)  # [n_slots, ngroups, L, N]
         suffix = dts.sum(-1, keepdim=True) - torch.cumsum(dts, dim=-1)  # Λ − Λ_j
         Af = A.to(device=self.device, dtype=f)[None, :, None]
         decay = torch.exp(Af * dts.sum(-1, keepdim=True))[..., None]  # [n_slots, nheads, 1, 1]
         w = torch.exp(Af * suffix) * dts  # [n_slots, nheads, L]
-        Bh = self.ring_B[idx].to(f).repeat_interleave(self.nheads // self.ngroups, dim=1)  # [n, H, L, N]
-        ring = torch.einsum("shl,shlp,shln->shpn", w, self.ring_x[idx].to(f), Bh)
+        Bh = Bs.repeat_interleave(self.nheads // self.ngroups, dim=1)  # [n, H, L, N]
+        ring = torch.einsum("shl,shlp,shln->shpn", w, xs, Bh)
         return (decay * S + ring).float()
 
 
@@ -388,6 +401,20 @@ def _formats(checkpoint: FormatLike, read: Optional[FormatLike]):
     if ck_fmt.granularity not in (None, "row"):
         raise ValueError(f"checkpoint: expected fp32, bf16, fp16 (optionally +sr) or an 8-bit ':row' format, got {ck_fmt}")
     return ck_fmt, read_fmt
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch.device, a device string or None, got {device!r}") from None
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
 
 
 def _check_max_draft(max_draft) -> None:

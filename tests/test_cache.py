@@ -63,6 +63,26 @@ def test_materialize_folds_the_ring():
     assert torch.allclose(got, expected, rtol=1e-6)
 
 
+def test_materialize_reads_no_ring_entry_past_the_cursor():
+    """Entries past the cursor (an earlier cycle's tokens, rejected drafts) may hold NaN or inf;
+    the fold selects the live ones instead of weighting the others by 0 (0 · NaN = NaN)."""
+    cache = ReplayCache.allocate(2, 2, 4, 32, ring_len=4, read=None, input_dtype=torch.float32, max_draft=2)
+    g = torch.Generator().manual_seed(0)
+    cache.reset([0, 1], torch.randn(2, 2, 4, 32, generator=g))
+    cache.ring_x[:, :, :2] = torch.randn(2, 2, 2, 4, generator=g)
+    cache.ring_dt[:, :, :2] = torch.rand(2, 2, 2, generator=g)
+    cache.ring_B[:, :, :2] = torch.randn(2, 1, 2, 32, generator=g)
+    cache.cursor[:] = torch.tensor([2, 0], dtype=torch.int32)
+    A = torch.tensor([-1.0, -0.5])
+    clean = cache.materialize([0, 1], A)
+    cache.ring_x[:, :, 2:] = float("nan")
+    cache.ring_dt[:, :, 2:] = float("inf")
+    cache.ring_B[:, :, 2:] = float("nan")
+    assert torch.isfinite(clean).all()
+    assert torch.equal(cache.materialize([0, 1], A), clean)
+    assert torch.equal(clean[1], cache.checkpoint_values([1])[0])
+
+
 def test_from_tensors_checks_every_field():
     base = ReplayCache.allocate(2, 2, 4, 32, ring_len=3, read="int8:head")
     fields = {k: v for k, v in base.tensors().items()}
@@ -74,6 +94,8 @@ def test_from_tensors_checks_every_field():
         ReplayCache.from_tensors(**fields)
     with pytest.raises(TypeError, match="cursor: expected dtype torch.int32"):
         ReplayCache.from_tensors(**{**fields, "cursor": fields["cursor"].long()}, read_format="int8:head")
+    with pytest.raises(TypeError, match="^seed: expected an int"):
+        ReplayCache.from_tensors(**fields, read_format="int8:head", seed="7")
 
 
 def test_allocate_rejects_bad_arguments():
@@ -85,3 +107,8 @@ def test_allocate_rejects_bad_arguments():
         ReplayCache.allocate(1, 2, 4, 48, read="fp8_e4m3:block32")
     with pytest.raises(TypeError, match="input_dtype"):
         ReplayCache.allocate(1, 2, 4, 32, input_dtype=torch.int8)
+    for seed in (None, "7", 1.5, True):
+        with pytest.raises(TypeError, match="^seed: expected an int"):
+            ReplayCache.allocate(1, 2, 4, 32, seed=seed)
+    with pytest.raises(ValueError, match="^device: expected"):
+        ReplayCache.allocate(1, 2, 4, 32, device="cpux")

@@ -183,6 +183,25 @@ def test_slot_indices_padding_and_untouched_slots(text):
     _check_padding_and_untouched_slots(text, nheads=4)
 
 
+def test_pad_slot_id_past_the_slots_is_padding():
+    """An index equal to ``pad_slot_id`` is padding even when it is not a valid slot (vLLM pads
+    with such ids): its row outputs zero and no slot changes, as a negative index does."""
+    inp = _inputs(2, 4, 8, 32, 2)
+    state = torch.randn(3, 4, 8, 32)
+    results = []
+    for indices, pad in ((torch.tensor([7, 1]), 7), (torch.tensor([-1, 1]), -1)):
+        s = state.clone()
+        out = torch.full((2, 4, 8), float("nan"))
+        qstate.selective_state_update(s, **inp, state_batch_indices=indices, pad_slot_id=pad, out=out)
+        results.append((s, out))
+    (s7, out7), (s_neg, out_neg) = results
+    assert torch.equal(out7[0], torch.zeros(4, 8)) and torch.equal(out7, out_neg)
+    assert torch.equal(s7, s_neg)
+    assert torch.equal(s7[[0, 2]], state[[0, 2]]) and not torch.equal(s7[1], state[1])
+    with pytest.raises(ValueError, match=r"^state_batch_indices: expected indices < nslots = 3"):
+        qstate.selective_state_update(state.clone(), **inp, state_batch_indices=torch.tensor([7, 1]), pad_slot_id=6)
+
+
 def test_nan_in_one_slot_stays_there():
     fmt = formats.StateFormat.parse("int8:head")
     q = _stored(fmt, (3, 2, 8, 32))
@@ -246,6 +265,13 @@ def _bad(**overrides):
     (dict(z=torch.zeros(2, 4, 8, dtype=torch.int32)), TypeError, "z"),
     (dict(state_batch_indices=torch.tensor([0, 2])), ValueError, "state_batch_indices"),
     (dict(state_batch_indices=torch.tensor([0.0, 1.0])), TypeError, "state_batch_indices"),
+    # A strided view: the kernel would read [1, 9], not the [1, 0] the host checks see.
+    (dict(state_batch_indices=torch.tensor([1, 9, 0, 9])[::2]), ValueError, "state_batch_indices"),
+    (dict(A=torch.zeros(4, 1, 1).expand(4, 7, 9)), ValueError, "A"),
+    (dict(dt=torch.zeros(2, 4, 1).expand(2, 4, 5)), ValueError, "dt"),
+    (dict(D=torch.zeros(4, 1).expand(4, 3)), ValueError, "D"),
+    (dict(dt_bias=torch.zeros(4, 1).expand(4, 3)), ValueError, "dt_bias"),
+    (dict(dt_softplus="False"), TypeError, "dt_softplus"),
     (dict(seed="x"), TypeError, "seed"),
 ])
 @pytest.mark.parametrize("after_a_good_call", [False, True])

@@ -599,6 +599,9 @@ def test_rejects_mismatched_shapes_devices_and_dtypes(after_a_good_call):
         replay_decode(cache, **small_step(batch=3))
     with pytest.raises(TypeError, match="dt_softplus: expected a bool"):
         replay_decode(cache, **{**args, "dt_softplus": 0})
+    for name in ("dt", "C", "z"):
+        with pytest.raises(TypeError, match=rf"^{name}: expected one of"):
+            replay_decode(cache, **{**args, name: args[name].double()})
 
 
 @pytest.mark.parametrize("after_a_good_call", [False, True])
@@ -614,6 +617,9 @@ def test_rejects_bad_slot_indices(after_a_good_call):
         replay_decode(cache, **args, slot_indices=torch.tensor([0, 2]))
     with pytest.raises(TypeError, match="slot_indices: expected dtype"):
         replay_decode(cache, **args, slot_indices=torch.tensor([0.0, 1.0]))
+    # A strided view of [1, 0]: the kernel would read [1, 1], which the host checks never see.
+    with pytest.raises(ValueError, match="slot_indices: expected a contiguous tensor"):
+        replay_decode(cache, **args, slot_indices=torch.tensor([1, 1, 0, 1])[::2])
 
 
 def test_reset_rejects_bad_states_and_slots():
@@ -624,6 +630,11 @@ def test_reset_rejects_bad_states_and_slots():
         cache.reset([2])
     with pytest.raises(ValueError, match="distinct"):
         cache.reset([0, 0])
+    with pytest.raises(TypeError, match="slots: expected a flat sequence of ints"):
+        cache.reset([1.5])
+    with pytest.raises(TypeError, match="generator: expected a torch.Generator"):
+        cache.reset([0], generator=3)
+    assert cache.cursor.tolist() == [0, 0]
 
 
 def test_fake_impl_traces_without_running():

@@ -261,7 +261,14 @@ def test_verify_checks_slot_values_and_layout_after_a_good_call():
         replay_verify(cache, **{**inp, "x": torch.zeros(2, 2, 2, 4, 2)[..., 0]}, **params)
     with pytest.raises(TypeError, match="dt_softplus: expected a bool"):
         replay_verify(cache, **inp, **params, dt_softplus=0)
-    assert cache.cursor.tolist() == [1, 1]
+    strided = torch.tensor([1, 1, 0, 1])[::2]  # [1, 0] to the host, [1, 1] to a kernel
+    with pytest.raises(ValueError, match="slot_indices: expected a contiguous tensor"):
+        replay_verify(cache, **inp, **params, slot_indices=strided)
+    replay_verify(cache, **inp, **params, slot_indices=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="slot_indices: expected a contiguous tensor"):
+        replay_commit(cache, torch.tensor([1, 1], dtype=torch.int32), slot_indices=strided)
+    replay_commit(cache, torch.tensor([1, 1], dtype=torch.int32), slot_indices=torch.tensor([1, 0]))
+    assert cache.cursor.tolist() == [2, 2]
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8:row"])

@@ -69,6 +69,19 @@ def _untie(name: str, t: Optional[torch.Tensor], compact_dim: int, tied_dims: in
     return t[(Ellipsis,) + (0,) * tied_dims]
 
 
+def check_tied_shapes(batch: int, nheads: int, headdim: int, dstate: int, dt, A, D, dt_bias) -> None:
+    """Sizes of mamba_ssm's expanded forms (:func:`compact_decode_args`): ``dt (batch, nheads,
+    headdim)``, ``A (nheads, headdim, dstate)``, ``D`` and ``dt_bias (nheads, headdim)``; the
+    compact forms are checked where they are used."""
+    expanded = (("dt", dt, 3, (batch, nheads, headdim), "(batch, nheads, headdim)"),
+                ("A", A, 3, (nheads, headdim, dstate), "(nheads, headdim, dstate)"),
+                ("D", D, 2, (nheads, headdim), "(nheads, headdim)"),
+                ("dt_bias", dt_bias, 2, (nheads, headdim), "(nheads, headdim)"))
+    for name, t, ndim, shape, layout in expanded:
+        if isinstance(t, torch.Tensor) and t.dim() == ndim:
+            _validate.shape(name, t, shape, f"{layout} in the expanded form")
+
+
 def compact_decode_args(x, dt, A, D, dt_bias):
     """``(dt, A, D, dt_bias)`` in compact form: ``dt (batch, nheads)``, the rest ``(nheads,)``.
 
@@ -155,14 +168,26 @@ def check_slot_indices(indices: Optional[torch.Tensor], batch: int, nslots: int,
         raise ValueError(f"state_batch_indices: expected shape (batch,) = ({batch},), got {tuple(indices.shape)}")
     if indices.device != device:
         raise ValueError(f"state_batch_indices: expected a tensor on {device}, got {indices.device}")
+    unit_stride_indices("state_batch_indices", indices)
 
 
-def check_slot_values(indices: torch.Tensor, nslots: int) -> None:
-    """Indices ``< nslots``, for a CPU tensor (a value check: it runs on every call, not once per
-    signature; a GPU tensor is not read, which would sync)."""
-    if indices.device.type == "cpu" and indices.numel() and int(indices.max()) >= nslots:
-        raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative = padding), "
-                         f"got {int(indices.max())}")
+def unit_stride_indices(name: str, indices: torch.Tensor) -> None:
+    """The kernels read a row's index at ``base + row``: a strided view would hand them other
+    memory than the values the host checks see."""
+    if indices.numel() > 1 and indices.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous tensor (stride 1), got strides {indices.stride()}")
+
+
+def check_slot_values(indices: torch.Tensor, nslots: int, pad_slot_id: int = -1) -> None:
+    """Indices ``< nslots`` unless padding (negative or ``pad_slot_id``), for a CPU tensor (a
+    value check: it runs on every call, not once per signature; a GPU tensor is not read, which
+    would sync)."""
+    if indices.device.type != "cpu" or not indices.numel():
+        return
+    past = indices[(indices >= nslots) & (indices != pad_slot_id)]
+    if past.numel():
+        raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative or pad_slot_id = "
+                         f"{pad_slot_id}: padding), got {int(past.max())}")
 
 
 def check_out(out: torch.Tensor, x: torch.Tensor) -> None:

@@ -52,14 +52,16 @@ def _resolve_seed(seed, consts, device):
     return seed & 0x7FFFFFFF, None
 
 
-def _check_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, state_scale, state_format,
-                pad_slot_id, out) -> None:
+def _check_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, state_scale,
+                state_format, pad_slot_id, out) -> None:
     """Every check of :func:`selective_state_update` that reads only metadata (its signature)."""
     consts = _common.resolve_format(state_format, state)
     _common.check_state(state, state_scale, consts)
-    dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
     nslots, nheads, headdim, dstate = state.shape
+    _validate.tensor("x", x, ndim=3)
     batch = x.shape[0]
+    _common.check_tied_shapes(batch, nheads, headdim, dstate, dt, A, D, dt_bias)
+    dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
     for name, t, ndim in (("dt", dt, 2), ("A", A, 1), ("B", B, 3), ("C", C, 3)):
         _validate.tensor(name, t, ndim=ndim)
     _validate.shape("x", x, (batch, nheads, headdim), "(batch, nheads, headdim)")
@@ -85,6 +87,8 @@ def _check_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, state
     _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
         raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
     if out is not None:
         _common.check_out(out, x)
 
@@ -109,7 +113,7 @@ def selective_state_update(
     ``A``                   ``(nheads,)`` or tied ``(nheads, headdim, dstate)`` (stride 0)
     ``B``, ``C``            ``(batch, ngroups, dstate)``, unit inner stride
     ``D``, ``dt_bias``      ``(nheads,)`` or tied ``(nheads, headdim)`` (stride 0)
-    ``state_batch_indices`` ``(batch,)`` int32/int64: the slot of each row; negative or
+    ``state_batch_indices`` ``(batch,)`` int32/int64, contiguous: the slot of each row; negative or
                             ``pad_slot_id`` = padding (output zero, nothing written)
     ``state_scale``         fp32 ``StateFormat.scale_shape(state.shape)`` for 8-bit formats:
                             row ``(nslots, nheads, headdim)``, head ``(nslots, nheads)``,
@@ -132,14 +136,14 @@ def selective_state_update(
     slot's state may become NaN, inf or saturated codes (with scales of no use); no other slot
     is read or written. Returns ``out`` (allocated like ``x`` when None).
     """
-    signature = (state_format, dt_softplus, type(pad_slot_id), pad_slot_id,
+    signature = (state_format, type(dt_softplus), dt_softplus, type(pad_slot_id), pad_slot_id,
                  *map(_signature.tensor_meta, (state, state_scale, x, dt, A, B, C, D, z, dt_bias,
                                                state_batch_indices, out)))
-    _ACCEPTED.check_once(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
-                         state_scale, state_format, pad_slot_id, out)
+    _ACCEPTED.check_once(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                         state_batch_indices, state_scale, state_format, pad_slot_id, out)
     consts = _common.resolve_format(state_format, state)
     if state_batch_indices is not None:
-        _common.check_slot_values(state_batch_indices, state.shape[0])
+        _common.check_slot_values(state_batch_indices, state.shape[0], pad_slot_id)
     dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
     if out is None:
         out = torch.empty_like(x)

@@ -91,6 +91,7 @@ def _check_slot_layout(slot_indices, batch: int, cache: ReplayCache, rows: str =
     _validate.shape("slot_indices", slot_indices, (batch,), "(batch,)")
     if slot_indices.device != cache.device:
         raise ValueError(f"slot_indices: expected device {cache.device} (the cache's), got {slot_indices.device}")
+    _common.unit_stride_indices("slot_indices", slot_indices)
 
 
 def _check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
@@ -171,6 +172,8 @@ def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_i
     for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
         if t is not None:
             _inner_contiguous(name, t)
+    for name, t in named:
+        _common.float_input(name, t)
     _check_ring_inputs(cache, x, B, dt_softplus)
     _check_slot_layout(slot_indices, batch, cache)
     if out is not None:
@@ -194,7 +197,7 @@ def replay_decode(
     ``dt_bias``
     ``B``               ``(batch, ngroups, dstate)``, ``cache.input_dtype``
     ``C``               ``(batch, ngroups, dstate)``
-    ``slot_indices``    ``(batch,)`` int32/int64: the cache slot of each row
+    ``slot_indices``    ``(batch,)`` int32/int64, contiguous: the cache slot of each row
                         (None: row i uses slot i); negative = padding
     ``out``             ``(batch, nheads, headdim)``, dtype of ``x``
     ==================  ==============================================

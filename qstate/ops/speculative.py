@@ -187,7 +187,7 @@ def replay_verify(
     ``dt_bias``
     ``B``               ``(batch, T, ngroups, dstate)``, ``cache.input_dtype``
     ``C``               ``(batch, T, ngroups, dstate)``
-    ``slot_indices``    ``(batch,)`` int32/int64 (None: row i uses slot i);
+    ``slot_indices``    ``(batch,)`` int32/int64, contiguous (None: row i uses slot i);
                         negative = padding (zero outputs, nothing written)
     ``out``             ``(batch, T, nheads, headdim)``, dtype of ``x``
     ==================  ==============================================
@@ -293,7 +293,8 @@ def selective_state_update_drafts(
     ``dt``                    ``(batch, T, nheads)``
     ``B``, ``C``              ``(batch, T, ngroups, dstate)``
     ``A``, ``D``, ``dt_bias`` ``(nheads,)``
-    ``state_batch_indices``   ``(batch,)``: slot of each row; negative = padding
+    ``state_batch_indices``   ``(batch,)`` int32/int64, contiguous: slot of each row;
+                              negative = padding
     ========================  ========================================================
 
     Each token: ``S = exp(dt·A)·S + (dt·x) ⊗ B`` in fp32, output from the unrounded ``S``,
@@ -310,6 +311,8 @@ def selective_state_update_drafts(
                                       dstate=dstate, ngroups=None, device=state.device)
     _check_intermediate(intermediate, intermediate_scale, state, consts, batch, T)
     _check_contiguous_state(state, state_scale)
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
         _common.check_slot_values(state_batch_indices, nslots)
