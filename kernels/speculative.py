@@ -172,8 +172,10 @@ def _draft_outputs(
     position = n + ts  # [BLOCK_T] of each draft
     at = js[:, None] == position[None, :]  # [BLOCK_J, BLOCK_T]
     lam = tl.sum(tl.where(at, cum[:, None], 0.0), axis=0)  # [BLOCK_T] Λ at each draft
-    weights = tl.where(js[:, None] <= position[None, :], tl.exp(A * (lam[None, :] - cum[:, None])) * dts[:, None], 0.0)
-    y_ring = tl.sum(x_all[:, :, None] * (weights * BC)[:, None, :], axis=0)  # [BLOCK_P, BLOCK_T]
+    causal = js[:, None] <= position[None, :]  # [BLOCK_J, BLOCK_T]
+    # Selected, not weighted by 0: a later draft's x, B or C may be NaN or inf (0 · NaN = NaN).
+    coef = tl.where(causal, tl.exp(A * (lam[None, :] - cum[:, None])) * dts[:, None] * BC, 0.0)  # [BLOCK_J, BLOCK_T]
+    y_ring = tl.sum(tl.where(causal[:, None, :], x_all[:, :, None] * coef[:, None, :], 0.0), axis=0)  # [BLOCK_P, BLOCK_T]
     y = tl.exp(A * lam)[None, :] * SC + y_ring
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x_d.to(tl.float32)

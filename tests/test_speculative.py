@@ -211,6 +211,39 @@ def test_stale_ring_tokens_past_the_cursor_do_not_reach_outputs():
     assert torch.equal(caches[0].read, caches[1].read)
 
 
+@pytest.mark.parametrize("read", [None, "fp8_e4m3:row"])
+@pytest.mark.parametrize("cursor", [0, 2])  # 2: the verify flushes the row first (n + 2T > capacity)
+def test_a_non_finite_later_draft_leaves_earlier_outputs_alone(read, cursor):
+    """Draft i's output is decoding's through draft i: a NaN or inf in any input of a later draft
+    changes none of the earlier drafts' outputs (bit for bit), and reaches its own."""
+    g = torch.Generator().manual_seed(6)
+    nheads, headdim, dstate, ngroups, T = 2, 8, 16, 1, 3
+    params = layer_params(g, nheads)
+    state0 = torch.randn(1, nheads, headdim, dstate, generator=g)
+    warmup = draft_inputs(g, 1, T, nheads, headdim, dstate, ngroups)
+    clean = draft_inputs(g, 1, T, nheads, headdim, dstate, ngroups)
+
+    def verify(inp):
+        cache = ReplayCache.allocate(1, nheads, headdim, dstate, ngroups, ring_len=4, read=read,
+                                     input_dtype=torch.float32, max_draft=T)
+        cache.reset([0], state0)
+        if cursor:
+            replay_verify(cache, **{k: v[:, :cursor] for k, v in warmup.items()}, **params, dt_softplus=True)
+            replay_commit(cache, torch.tensor([cursor], dtype=torch.int32))
+        return replay_verify(cache, **inp, **params, dt_softplus=True), cache
+
+    expected, cache = verify(clean)
+    assert int(cache.generation[0]) == (1 if cursor else 0) and torch.isfinite(expected).all()
+    for name in NAMES:
+        for bad in (float("nan"), float("inf")):
+            inp = {k: v.clone() for k, v in clean.items()}
+            inp[name][0, T - 1] = bad
+            got, _ = verify(inp)
+            assert torch.equal(got[0, :T - 1], expected[0, :T - 1]), (name, bad)
+            if name != "z":  # an infinite gate input can still give a finite output
+                assert not torch.isfinite(got[0, T - 1]).all(), (name, bad)
+
+
 def test_commit_errors_and_bad_input():
     cache = ReplayCache.allocate(2, 2, 4, 32, 1, ring_len=4, read=None, input_dtype=torch.float32, max_draft=2)
     g = torch.Generator().manual_seed(0)
