@@ -94,6 +94,51 @@ def test_prefill_state_seeds_the_replay_cache(mamba2):
             assert torch.equal(replay.checkpoint, state)  # fp32 checkpoint = the prefill's final state
 
 
+def test_replay_keeps_its_ring_under_inference_mode(mamba2):
+    """torch.inference_mode keeps no version counters, which the routes use to tell their own
+    writes of transformers' state from a prefill's or a reorder's. Without them the replay route
+    must still keep its ring and flush, not rebuild the cache from the state every token (which
+    would measure the conventional scheme under the replay scheme's name)."""
+    ids = hf_tiny.prompt(batch=1, length=9)
+    runs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with qt.patch(mamba2, "replay/bf16/8") as patched:
+            with mode():
+                got = mamba2.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True)
+            caches = list(patched.caches.values())
+            runs.append(([c.cursor.tolist() for c in caches], [c.generation.tolist() for c in caches],
+                         torch.stack(got.logits)))
+    (cursors, flushes, logits), (cursors_im, flushes_im, logits_im) = runs
+    assert flushes == flushes_im and all(f == [1] for f in flushes)
+    assert cursors == cursors_im
+    assert torch.equal(logits, logits_im)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_route_resyncs_after_an_outside_write_only(mode):
+    """The route's own steps do not rebuild its storage; a write to the state from outside does,
+    with version counters (no_grad) and without them (inference_mode)."""
+    from qstate.integrations.decode_routes import ConventionalRoute
+    from qstate.formats import StateFormat
+
+    route = ConventionalRoute("layer", StateFormat.parse("bf16"))
+    syncs = []
+    real_sync = route.sync
+    route.sync = lambda state, step: (syncs.append(route.steps), real_sync(state, step))
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, 4, 16, generator=g), torch.rand(1, 4, generator=g), -torch.rand(4, generator=g),
+            torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g))
+    with mode():
+        state = torch.randn(1, 4, 16, 8, generator=g)
+        for _ in range(3):
+            route(None, state, *args, dt_softplus=True)
+        state.mul_(0.5)
+        route(None, state, *args, dt_softplus=True)
+        route(None, state, *args, dt_softplus=True)
+    assert syncs == [0, 3]
+
+
 def test_restore_is_exact_and_the_model_decodes_as_before(mamba2):
     ids = hf_tiny.prompt(batch=1, length=5, seed=3)
     functions = _module_functions(mamba2)

@@ -87,6 +87,11 @@ class LayerRoute:
     Subclasses implement ``sync(state, step)`` (rebuild their storage from transformers' state)
     and ``decode(state, step)`` (one token; returns ``y (batch, nheads, headdim)`` and leaves
     transformers' ``state`` equal to what the storage holds).
+
+    A write to ``state`` from outside (a prefill, a beam reorder, a reset) makes the next step
+    rebuild the storage from it. The route tells such writes from its own by the tensor's
+    version counter; under ``torch.inference_mode`` torch keeps none, so the route keeps a copy
+    of the state it last wrote and compares (one more state per layer, read twice a step).
     """
 
     def __init__(self, name: str):
@@ -95,6 +100,7 @@ class LayerRoute:
         self._stale = True
         self._bound: Optional[weakref.ref] = None
         self._bound_version: Optional[int] = None
+        self._bound_copy: Optional[torch.Tensor] = None
         self._stepped = False
 
     # the patched mixer forward brackets every call of the layer with these two
@@ -110,7 +116,9 @@ class LayerRoute:
         if self._stale or self._bound is None or self._bound() is not state:
             return True
         version = _version(state)
-        return version is None or version != self._bound_version
+        if version is None:
+            return self._bound_copy is None or not torch.equal(state, self._bound_copy)
+        return version != self._bound_version
 
     def __call__(self, original: Callable, state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                  dt_softplus=False, z=None, **kwargs):
@@ -128,6 +136,7 @@ class LayerRoute:
         self._stale = False
         self._bound = weakref.ref(state)
         self._bound_version = _version(state)
+        self._bound_copy = state.clone() if self._bound_version is None else None
         return y.to(hidden_states.dtype)
 
     def sync(self, state: torch.Tensor, step: DecodeStep) -> None:
