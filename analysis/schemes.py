@@ -132,6 +132,9 @@ def parse_schemes(spec) -> list[Scheme]:
     """Schemes from a comma-separated string or a sequence of strings / Schemes."""
     if isinstance(spec, (str, Scheme)):
         spec = [s for s in str(spec).split(",") if s.strip()] if isinstance(spec, str) else [spec]
+    elif not isinstance(spec, (list, tuple)):
+        raise TypeError(f"schemes: expected a comma-separated string, a Scheme or a list of them, "
+                        f"got {type(spec).__name__}")
     schemes = [Scheme.parse(s) for s in spec]
     if not schemes:
         raise ValueError("schemes: expected at least one scheme, got none")

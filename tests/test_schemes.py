@@ -55,6 +55,8 @@ def test_parse_schemes_and_candidates():
     assert [str(s) for s in parse_schemes("fp32, replay/fp32/16")] == ["fp32", "replay/fp32/16"]
     with pytest.raises(ValueError, match="schemes"):
         parse_schemes("")
+    with pytest.raises(TypeError, match="^schemes: expected a comma-separated string"):
+        parse_schemes(5)
     cands = candidate_schemes()
     assert len(cands) == 12 + 4 * 5 * 3 and len(set(cands)) == len(cands)
 
