@@ -108,7 +108,8 @@ def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *, name: Opt
     """Measure ``model``'s heads during a greedy decode of ``new_tokens`` tokens after ``input_ids``.
 
     ``model``: a transformers ``Mamba2ForCausalLM`` / ``NemotronHForCausalLM`` (not patched);
-    ``input_ids (batch, prompt_len)`` on the model's device (real text gives real statistics).
+    ``input_ids (batch, prompt_len)``, at least one token, on the model's device (real text gives
+    real statistics).
     Returns a :class:`CalibratedProfile` named ``name`` (default: the model's ``name_or_path``
     or class name). Raises ``ValueError`` for a model without Mamba-2 mixers or whose mixers
     differ in shape.
@@ -117,6 +118,9 @@ def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *, name: Opt
     from .integrations.transformers import attach_routes, decode_logits, find_mixers
 
     mixers = find_mixers(model)
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.numel():
+        raise ValueError(f"input_ids: expected at least one sequence of at least one token, got shape "
+                         f"{tuple(input_ids.shape)}")
     shapes = {(m.num_heads, m.head_dim, m.ssm_state_size, m.n_groups) for _, m in mixers}
     if len(shapes) != 1:
         raise ValueError(f"model: expected every Mamba-2 layer to have one shape, got {sorted(shapes)}")
@@ -130,13 +134,15 @@ def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *, name: Opt
     layers = tuple(rec.stats(layer) for layer, rec in recorders.items())
     A = tuple(a for s in layers for a in s.A)
     dt0 = tuple(d for s in layers for d in s.dt_median)
+    # Checked before EmpiricalDecay, whose range checks would blame its fields rather than the model.
+    if not (all(-math.inf < a < 0 for a in A) and all(0 < d < math.inf for d in dt0)):
+        raise ValueError("model: calibration measured A or dt outside -inf < A < 0 < dt < inf; "
+                         "check the model's weights")
     default = DecayDistribution()
     decay = EmpiricalDecay(
         a_min=min(-a for a in A), a_max=max(-a for a in A), dt_min=min(dt0), dt_max=max(dt0),
         dt_floor=min(default.dt_floor, min(dt0)), A=A, dt0=dt0)
     if name is None:
         name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
-    if not all(math.isfinite(v) for v in A + dt0):
-        raise ValueError("model: calibration measured non-finite A or dt; check the model's weights")
     return CalibratedProfile(str(name), nheads, headdim, dstate, ngroups, len(mixers), decay,
                              layers=layers, tokens=new_tokens * int(input_ids.shape[0]))

@@ -12,6 +12,7 @@ Scheme strings: ``<format>`` (conventional) or ``replay/<checkpoint>[/<read>]/<r
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Optional, Sequence
@@ -29,22 +30,76 @@ def _profile(args) -> profiles.Profile:
     return profiles.get(args.model)
 
 
+def _count(text: str) -> int:
+    """argparse type of counts (steps, batch, threads, ...): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """argparse type of --device: cpu, or a CUDA device this machine has (checked before simulating)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:<index>, got {text!r}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"expected a CUDA device of this machine ({torch.cuda.device_count()} found), got {text!r}")
+    return text
+
+
+def _folder(text: str) -> str:
+    """argparse type of --out: a folder, created if missing; an existing file is refused before simulating."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a folder (created if missing), got the existing file {text!r}")
+    return text
+
+
 def _model_args(parser: argparse.ArgumentParser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=f"built-in profile, one of {profiles.names()}")
     source.add_argument("--config", help="a transformers config.json (Mamba2 or NemotronH) or its folder")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="torch device for the simulation (cpu, cuda)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", type=_device, default="cpu", help="torch device for the simulation (cpu, cuda)")
+    parser.add_argument("--threads", type=_count, default=None, help="torch CPU threads (default: torch's)")
     return source
+
+
+def _check_prompt(path: str, prompt: str) -> None:
+    # hf_model_report encodes the prompt only after loading the model, and a prompt of no tokens
+    # then fails inside the model's forward pass.
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except OSError as err:
+        raise FileNotFoundError(f"argument --hf-model: expected a folder with a tokenizer to encode --prompt, "
+                                f"got {path!r} ({err})") from None
+    if not tokenizer(prompt).input_ids:
+        raise ValueError(f"argument --prompt: expected text that encodes to at least one token, got {prompt!r}")
 
 
 def _drift_hf(args) -> int:
     from .analysis.model_drift import DEFAULT_HF_SCHEMES, hf_model_report
+    from .analysis.schemes import parse_schemes
 
-    result = hf_model_report(args.hf_model, args.schemes or ",".join(DEFAULT_HF_SCHEMES), args.new_tokens,
-                             prompt=args.prompt, prompt_tokens=args.prompt_tokens, batch=args.batch,
-                             seed=args.seed, device=args.device, out=args.out)
+    if args.prompt is not None and args.prompt_tokens is not None:
+        raise ValueError("argument --prompt-tokens: expected only without --prompt (the prompt sets the length), "
+                         "got both")
+    schemes = parse_schemes(",".join(DEFAULT_HF_SCHEMES) if args.schemes is None else args.schemes)
+    if args.prompt is not None:
+        _check_prompt(args.hf_model, args.prompt)
+    new_tokens = 64 if args.new_tokens is None else args.new_tokens
+    prompt_tokens = 32 if args.prompt_tokens is None else args.prompt_tokens
+    result = hf_model_report(args.hf_model, schemes, new_tokens, prompt=args.prompt, prompt_tokens=prompt_tokens,
+                             batch=args.batch, seed=args.seed, device=args.device, out=args.out)
     print(result.to_markdown())
     print(f"\nwrote {args.out}/model_drift.md, model_drift.json and model_drift.png")
     return 0
@@ -54,13 +109,19 @@ def _drift(args) -> int:
     if args.hf_model:
         return _drift_hf(args)
     from .analysis.report import write_report
-    from .analysis.schemes import DEFAULT_SCHEMES
+    from .analysis.schemes import DEFAULT_SCHEMES, parse_schemes
     from .analysis.drift import simulate
 
+    hf_only = {"--new-tokens": args.new_tokens, "--prompt": args.prompt, "--prompt-tokens": args.prompt_tokens}
+    given = [option for option, value in hf_only.items() if value is not None]
+    if given:
+        raise ValueError(f"argument {given[0]}: expected only with --hf-model (the simulation does not use it), "
+                         f"got no --hf-model")
     profile = _profile(args)
-    every = args.every or max(1, args.steps // 512)
-    result = simulate(profile, args.schemes or ",".join(DEFAULT_SCHEMES), args.steps, batch=args.batch,
-                      heads=args.heads, seed=args.seed, device=args.device, every=every)
+    every = max(1, args.steps // 512) if args.every is None else args.every
+    schemes = parse_schemes(",".join(DEFAULT_SCHEMES) if args.schemes is None else args.schemes)
+    result = simulate(profile, schemes, args.steps, batch=args.batch, heads=args.heads, seed=args.seed,
+                      device=args.device, every=every)
     command = "qstate " + " ".join(shlex.quote(a) for a in args.argv)
     path = write_report(result, args.out, command)
     print(result.summary().markdown())
@@ -104,24 +165,26 @@ def _parser() -> argparse.ArgumentParser:
         "--hf-model", metavar="PATH", help="local transformers Mamba2/NemotronH weights: drift of the logits "
         "(teacher-forced, each scheme against the unpatched model) instead of a simulation")
     drift.add_argument("--schemes", help="comma-separated scheme strings (default: the demo set)")
-    drift.add_argument("--steps", type=int, default=8192)
-    drift.add_argument("--batch", type=int, default=2)
+    drift.add_argument("--steps", type=_count, default=8192)
+    drift.add_argument("--batch", type=_count, default=2)
     drift.add_argument("--heads", type=_heads, default=16,
                        help="number of heads spanning the decay range, 'all', or comma-separated indices")
-    drift.add_argument("--every", type=int, default=None, help="record every N steps (default: steps / 512)")
-    drift.add_argument("--out", default="report", help="output folder (report.md, drift.png, drift.json)")
-    drift.add_argument("--new-tokens", type=int, default=64, help="--hf-model: decode steps")
+    drift.add_argument("--every", type=_count, default=None, help="record every N steps (default: steps / 512)")
+    drift.add_argument("--out", type=_folder, default="report",
+                       help="output folder (report.md, drift.png, drift.json)")
+    # The --hf-model options default to None so that one given without --hf-model is refused.
+    drift.add_argument("--new-tokens", type=_count, default=None, help="--hf-model: decode steps (default: 64)")
     drift.add_argument("--prompt", help="--hf-model: prompt text, encoded by the model's tokenizer")
-    drift.add_argument("--prompt-tokens", type=int, default=32,
-                       help="--hf-model without --prompt: length of the random prompt")
+    drift.add_argument("--prompt-tokens", type=_count, default=None,
+                       help="--hf-model without --prompt: length of the random prompt (default: 32)")
     drift.set_defaults(run=_drift)
 
     choose = sub.add_parser("choose", help="recommend the cheapest scheme within an error tolerance")
     _model_args(choose)
     choose.add_argument("--tolerance", type=float, required=True, help="largest p99 relative output error")
     choose.add_argument("--objective", choices=("traffic", "memory"), default="traffic")
-    choose.add_argument("--steps", type=int, default=4096)
-    choose.add_argument("--batch", type=int, default=1)
+    choose.add_argument("--steps", type=_count, default=4096)
+    choose.add_argument("--batch", type=_count, default=1)
     choose.add_argument("--heads", type=_heads, default=8,
                         help="number of heads spanning the decay range, 'all', or comma-separated indices")
     choose.add_argument("--candidates", help="comma-separated scheme strings (default: 72 candidates)")
@@ -137,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
         torch.set_num_threads(args.threads)
     try:
         return args.run(args)

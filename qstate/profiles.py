@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import operator
 import os
+from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
 import torch
@@ -28,15 +31,52 @@ __all__ = ["DecayDistribution", "Profile", "DecodeInputs", "get", "names", "from
            "CalibratedProfile"]
 
 
+def _bounded(name: str, value, low: float, *, strict: bool, low_name: str = "") -> None:
+    """Check that ``value`` is a finite real number ``> low`` (``strict``) or ``>= low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < low or (strict and value == low):
+        bound = f"{low_name} = {low}" if low_name else f"{low}"
+        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {bound}, got {value}")
+
+
+def _index(value) -> Optional[int]:
+    """``value`` as an int if it is an integer (Python, numpy or torch), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _generator(seed) -> torch.Generator:
+    index = _index(seed)
+    if index is None:
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if not -2**63 <= index < 2**64:
+        raise ValueError(f"seed: expected an int in [-2**63, 2**64), got {index}")
+    return torch.Generator().manual_seed(index)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecayDistribution:
-    """Initialisation ranges of Mamba-2: ``-A ∈ [a_min, a_max]``, ``dt ∈ [dt_min, dt_max]``."""
+    """Initialisation ranges of Mamba-2: ``-A ∈ [a_min, a_max]``, ``dt ∈ [dt_min, dt_max]``, with
+    ``0 < a_min <= a_max``, ``0 < dt_min <= dt_max`` and ``dt_floor >= 0``, all finite."""
 
     a_min: float = 1.0
     a_max: float = 16.0
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     dt_floor: float = 1e-4
+
+    def __post_init__(self):
+        # The draws are log-uniform, so both lower ends must be > 0; the floor only clamps dt.
+        _bounded("a_min", self.a_min, 0, strict=True)
+        _bounded("a_max", self.a_max, self.a_min, strict=False, low_name="a_min")
+        _bounded("dt_min", self.dt_min, 0, strict=True)
+        _bounded("dt_max", self.dt_max, self.dt_min, strict=False, low_name="dt_min")
+        _bounded("dt_floor", self.dt_floor, 0, strict=False)
 
     def sample(self, nheads: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, dt0)`` fp64 ``(nheads,)``: A from log U[a_min, a_max], dt0 log-uniform, both
@@ -92,6 +132,10 @@ class Profile:
     decay: DecayDistribution = DecayDistribution()
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"name: expected a str, got {type(self.name).__name__}")
+        if not isinstance(self.decay, DecayDistribution):
+            raise TypeError(f"decay: expected a DecayDistribution, got {type(self.decay).__name__}")
         for field in ("nheads", "headdim", "dstate", "ngroups", "n_ssm_layers"):
             _validate.positive_int(field, getattr(self, field))
         if self.nheads % self.ngroups:
@@ -99,7 +143,7 @@ class Profile:
 
     def head_decays(self, seed: int = 0) -> torch.Tensor:
         """Typical decay ``exp(dt0 · A)`` of every head, fp64 ``(nheads,)``."""
-        A, dt0 = self.decay.sample(self.nheads, torch.Generator().manual_seed(seed))
+        A, dt0 = self.decay.sample(self.nheads, _generator(seed))
         return torch.exp(dt0 * A)
 
     def spread_heads(self, count: int, seed: int = 0) -> list[int]:
@@ -114,13 +158,19 @@ class Profile:
     def _resolve_heads(self, heads, seed: int) -> list[int]:
         if heads is None:
             return list(range(self.nheads))
-        if isinstance(heads, int) and not isinstance(heads, bool):
-            return self.spread_heads(heads, seed)
-        heads = [int(h) for h in heads]
-        bad = [h for h in heads if not 0 <= h < self.nheads]
-        if bad or not heads:
-            raise ValueError(f"heads: expected indices in [0, {self.nheads}), got {bad or heads}")
-        return heads
+        count = _index(heads)
+        if count is not None:
+            return self.spread_heads(count, seed)
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+            raise TypeError(f"heads: expected None, an int or a sequence of head indices, got {type(heads).__name__}")
+        given = list(heads)
+        indices = [_index(h) for h in given]
+        if None in indices:
+            raise TypeError(f"heads: expected int head indices, got {[h for h, i in zip(given, indices) if i is None]}")
+        bad = [h for h in indices if not 0 <= h < self.nheads]
+        if bad or not indices:
+            raise ValueError(f"heads: expected indices in [0, {self.nheads}), got {bad or indices}")
+        return indices
 
     def sample_inputs(
         self,
@@ -137,12 +187,15 @@ class Profile:
         ``heads``: None (all), an int ``k`` (k heads spanning the decay range, see
         :meth:`spread_heads`), or explicit head indices. With a subset, every chosen head keeps
         the B and C of its group, given as a group of its own (``ngroups = len(heads)``).
-        Parameters (A, D, dt_bias) are fp32 whatever ``dtype`` is; inputs are in ``dtype``.
+        Parameters (A, D, dt_bias) are fp32 whatever ``dtype`` is; inputs are in ``dtype``, a
+        floating-point type.
         """
         _validate.positive_int("steps", steps)
         _validate.positive_int("batch", batch)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype}")
         chosen = self._resolve_heads(heads, seed)
-        gen = torch.Generator().manual_seed(seed)
+        gen = _generator(seed)
         A, dt0 = self.decay.sample(self.nheads, gen)
         dt_bias = dt0 + torch.log(-torch.expm1(-dt0))  # inverse softplus
         f64 = torch.float64
@@ -191,6 +244,8 @@ def get(name: Union[str, Profile]) -> Profile:
     """The built-in profile called ``name`` (see :func:`names`)."""
     if isinstance(name, Profile):
         return name
+    if not isinstance(name, str):
+        raise TypeError(f"profile: expected a model name (str) or a Profile, got {type(name).__name__}")
     if name not in _PROFILES:
         raise ValueError(f"profile: unknown model {name!r}; expected one of {names()}")
     return _PROFILES[name]
@@ -207,18 +262,39 @@ _ALIASES = {
 }
 
 
-def _first(cfg: dict, key: str):
-    return next((cfg[k] for k in _ALIASES[key] if k in cfg), None)
+def _first(cfg: dict, key: str) -> Optional[tuple[str, object]]:
+    """``(config key, value)`` of the first alias of ``key`` set in ``cfg``; None when none is."""
+    return next(((k, cfg[k]) for k in _ALIASES[key] if cfg.get(k) is not None), None)
 
 
-def _ssm_layers(cfg: dict) -> Optional[int]:
+def _config_count(key: str, value) -> int:
+    count = _index(value)
+    if count is None:
+        raise TypeError(f"config: {key}: expected an int, got {value!r}")
+    if count < 1:
+        raise ValueError(f"config: {key}: expected an int >= 1, got {count}")
+    return count
+
+
+def _ssm_layers(cfg: dict) -> int:
+    # A pattern or block list without Mamba layers describes a model with none: counting all
+    # its layers instead would be wrong.
     pattern = cfg.get("hybrid_override_pattern")
     if isinstance(pattern, str):
+        if "M" not in pattern:
+            raise ValueError(f"config: hybrid_override_pattern {pattern!r} has no Mamba-2 layer ('M')")
         return pattern.count("M")
-    block_types = cfg.get("layers_block_type") or cfg.get("layer_types")
-    if isinstance(block_types, list):
-        return sum(1 for b in block_types if str(b).lower() in ("mamba", "m"))
-    return cfg.get("num_hidden_layers")
+    for key in ("layers_block_type", "layer_types"):
+        block_types = cfg.get(key)
+        if isinstance(block_types, list):
+            count = sum(1 for b in block_types if str(b).lower() in ("mamba", "m"))
+            if not count:
+                raise ValueError(f"config: {key} {block_types!r} has no Mamba-2 layer ('mamba')")
+            return count
+    if cfg.get("num_hidden_layers") is None:
+        raise ValueError("config: cannot count the SSM layers (no hybrid_override_pattern, layers_block_type, "
+                         "layer_types or num_hidden_layers)")
+    return _config_count("num_hidden_layers", cfg["num_hidden_layers"])
 
 
 def from_hf_config(config: Union[str, os.PathLike, dict]) -> Profile:
@@ -228,7 +304,12 @@ def from_hf_config(config: Union[str, os.PathLike, dict]) -> Profile:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         with open(path) as fh:
-            cfg = json.load(fh)
+            try:
+                cfg = json.load(fh)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"config: expected JSON in {path}, got a syntax error: {err}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config: expected a JSON object in {path}, got a {type(cfg).__name__}")
         name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-config"
     elif isinstance(config, dict):
         cfg, name = config, config.get("_name_or_path", "hf-config")
@@ -238,17 +319,15 @@ def from_hf_config(config: Union[str, os.PathLike, dict]) -> Profile:
     missing = [f"{k} ({' or '.join(_ALIASES[k])})" for k, v in fields.items() if v is None]
     if missing:
         raise ValueError(f"config: not a Mamba-2 config; missing {', '.join(missing)}")
+    shape = [_config_count(*found) for found in fields.values()]
     layers = _ssm_layers(cfg)
-    if not layers:
-        raise ValueError("config: cannot count the SSM layers (no hybrid_override_pattern or num_hidden_layers)")
-    defaults = DecayDistribution()
-    decay = DecayDistribution(
-        dt_min=float(_first(cfg, "dt_min") or defaults.dt_min),
-        dt_max=float(_first(cfg, "dt_max") or defaults.dt_max),
-        dt_floor=float(_first(cfg, "dt_floor") or defaults.dt_floor),
-    )
-    return Profile(str(name), int(fields["nheads"]), int(fields["headdim"]), int(fields["dstate"]),
-                   int(fields["ngroups"]), int(layers), decay)
+    steps = {k: found for k in ("dt_min", "dt_max", "dt_floor") if (found := _first(cfg, k)) is not None}
+    try:
+        decay = DecayDistribution(**{k: value for k, (_, value) in steps.items()})
+    except (TypeError, ValueError) as err:
+        given = ", ".join(f"{key} = {value!r}" for key, value in steps.values())
+        raise type(err)(f"config: time steps ({given}): {err}") from None
+    return Profile(str(name), *shape, layers, decay)
 
 
 # Calibration builds on Profile, so it is defined in its own module and re-exported here.

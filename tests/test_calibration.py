@@ -69,3 +69,17 @@ def test_bad_input_is_rejected(model):
         profiles.calibrate(torch.nn.Linear(2, 2), hf_tiny.prompt())
     with pytest.raises(ValueError, match="input_ids"):
         profiles.calibrate(model, torch.zeros(3))
+
+
+@pytest.mark.parametrize("rows, length", [(2, 0), (0, 6)])
+def test_empty_prompt_is_rejected(model, rows, length):
+    with pytest.raises(ValueError, match="^input_ids: .*got shape"):
+        profiles.calibrate(model, hf_tiny.prompt(batch=2, length=6)[:rows, :length], 2)
+
+
+def test_non_finite_weights_are_blamed_on_the_model():
+    broken = hf_tiny.nemotron_h(seed=8)
+    with torch.no_grad():
+        qt.find_mixers(broken)[0][1].A_log.fill_(math.nan)
+    with pytest.raises(ValueError, match="^model: calibration measured"):
+        profiles.calibrate(broken, hf_tiny.prompt(batch=1, length=4), 2)

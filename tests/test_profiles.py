@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,3 +114,75 @@ def test_from_hf_config_without_mamba_fields():
         profiles.from_hf_config({**MAMBA2, "n_groups": 3})
     with pytest.raises(TypeError, match="config"):
         profiles.from_hf_config(3)
+
+
+@pytest.mark.parametrize("fields, error, words", [
+    ({"num_heads": "eight"}, TypeError, "num_heads: expected an int"),
+    ({"num_heads": 8.7}, TypeError, "num_heads: expected an int"),
+    ({"num_hidden_layers": 0}, ValueError, "num_hidden_layers: expected an int >= 1"),
+    # dt is log-uniform in [time_step_min, time_step_max], so the minimum must be > 0
+    ({"time_step_min": -0.01}, ValueError, "time_step_min = -0.01"),
+    ({"time_step_min": 0.0}, ValueError, "time_step_min = 0.0"),
+    ({"time_step_min": 0.5, "time_step_max": 0.001}, ValueError, "dt_max: expected a finite number >= dt_min"),
+    ({"time_step_floor": -1e-4}, ValueError, "time_step_floor = -0.0001"),
+    ({"hybrid_override_pattern": "*-"}, ValueError, "hybrid_override_pattern '[*]-' has no Mamba-2 layer"),
+    ({"layers_block_type": ["attention", "mlp"]}, ValueError, "layers_block_type .* has no Mamba-2 layer"),
+])
+def test_from_hf_config_names_the_bad_field(fields, error, words):
+    with pytest.raises(error, match=f"^config: .*{words}"):
+        profiles.from_hf_config({**MAMBA2, **fields})
+
+
+def test_from_hf_config_keeps_a_zero_floor():
+    assert profiles.from_hf_config({**MAMBA2, "time_step_floor": 0.0}).decay.dt_floor == 0.0
+
+
+def test_from_hf_config_needs_a_json_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config: expected a JSON object"):
+        profiles.from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("fields, error, name", [
+    (dict(a_min=0), ValueError, "a_min"),
+    (dict(a_min=-1), ValueError, "a_min"),
+    (dict(a_max=0.5), ValueError, "a_max"),
+    (dict(dt_min=0), ValueError, "dt_min"),
+    (dict(dt_max=float("nan")), ValueError, "dt_max"),
+    (dict(dt_max=float("inf")), ValueError, "dt_max"),
+    (dict(dt_floor=-1e-4), ValueError, "dt_floor"),
+    (dict(a_min="1"), TypeError, "a_min"),
+])
+def test_decay_distribution_rejects_bad_ranges(fields, error, name):
+    with pytest.raises(error, match=f"^{name}: "):
+        profiles.DecayDistribution(**fields)
+
+
+def test_profile_and_get_reject_bad_types():
+    with pytest.raises(TypeError, match="^decay: expected a DecayDistribution, got str"):
+        profiles.Profile("t", 4, 4, 32, 1, 1, "x")
+    with pytest.raises(TypeError, match="^profile: expected a model name"):
+        profiles.get(["a"])
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(dtype=torch.int32), TypeError, "dtype"),
+    (dict(heads="12"), TypeError, "heads"),
+    (dict(heads=[1.7]), TypeError, "heads"),
+    (dict(heads=2.0), TypeError, "heads"),
+    (dict(seed=2.5), TypeError, "seed"),
+    (dict(seed=None), TypeError, "seed"),
+    (dict(seed=2**64), ValueError, "seed"),
+])
+def test_sample_inputs_rejects_bad_arguments(kwargs, error, name):
+    with pytest.raises(error, match=f"^{name}: "):
+        profiles.get("mamba2-2.7b").sample_inputs(2, 1, **{"heads": 2, **kwargs})
+
+
+def test_sample_inputs_takes_numpy_and_torch_integers():
+    p = profiles.get("mamba2-2.7b")
+    expected = p.sample_inputs(2, 1, heads=2, seed=3)
+    for heads, seed in ((np.int64(2), np.int64(3)), (torch.tensor(2), 3)):
+        assert torch.equal(p.sample_inputs(2, 1, heads=heads, seed=seed).x, expected.x)
+    chosen = [int(h) for h in expected.heads]
+    assert torch.equal(p.sample_inputs(2, 1, heads=np.array(chosen), seed=3).x, expected.x)
