@@ -17,7 +17,8 @@ On request it also gives the codes: the grid values before the scale multiply, e
 compares them between steps: with a per-row or per-head scale the values change whenever the
 row maximum does, the codes only when the rounding moves.
 
-``tests/test_schemes.py`` checks both equalities on values spanning subnormals, ties and saturation.
+``tests/test_schemes.py`` checks both equalities on values spanning subnormals, ties and saturation;
+``tests/test_formats.py`` on groups holding ±inf, next to one holding NaN.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from qstate.formats import BLOCK, FLT_MIN, StateFormat, grid_step
+from qstate.formats import BLOCK, FLT_MAX, FLT_MIN, StateFormat, grid_step
 
 __all__ = ["roundtrip_"]
 
@@ -40,7 +41,8 @@ def _scale(grouped: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     amax = grouped.abs().amax(dim=dims, keepdim=True)
     if fmt.granularity != "block32":
         return torch.clamp(amax / fmt.qmax, FLT_MIN, fmt.max_scale)
-    _, exp = torch.frexp(amax)
+    # As in formats.compute_scale: an inf amax counts as FLT_MAX (frexp gives inf the exponent 0).
+    _, exp = torch.frexp(amax.clamp(max=FLT_MAX))
     shared = torch.clamp(exp - 1 - fmt.emax, min=-126, max=126 - fmt.emax)
     return torch.ldexp(torch.ones_like(amax), shared)
 

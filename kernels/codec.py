@@ -197,10 +197,12 @@ def _pow2(exponent):
 @triton.jit
 def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.constexpr):
     if GRAN == 3:
-        # MX rule on floor(log2(amax)), read from the exponent bits; like torch.frexp, zero, inf
-        # and NaN count as exponent -1 and subnormals fall under the -126 clamp.
+        # MX rule on floor(log2(amax)), read from the exponent bits. As in formats rule 2, zero and
+        # NaN count as exponent -1 (torch.frexp's), inf as FLT_MAX's 127 (so the block saturates
+        # at the largest scale), and subnormals fall under the -126 clamp.
         biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        floor_log2 = tl.where((biased == 0) & (amax == 0.0), -1, tl.where(biased == 255, -1, biased - 127))
+        special = tl.where(amax == amax, 127, -1)  # biased 255: inf, or NaN (amax != amax)
+        floor_log2 = tl.where((biased == 0) & (amax == 0.0), -1, tl.where(biased == 255, special, biased - 127))
         exponent = tl.minimum(tl.maximum(floor_log2 - EMAX, -126), 126 - EMAX)
         s = _pow2(exponent)
     else:

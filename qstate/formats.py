@@ -21,9 +21,11 @@ Number rules, which every kernel reproduces bit for bit:
    ``qmax · scale`` is finite. ``block32`` uses the MX rule instead:
    ``scale = 2**clamp(floor(log2(amax)) − emax, −126, 126 − emax)``, so values in
    ``(qmax, 2**(emax+1)) · scale`` saturate. This keeps ``quantize(dequantize(q))`` equal to
-   ``q``, which a round-up power of two does not. A zero group gets the smallest scale
-   (``FLT_MIN``, or ``2**(−1 − emax)`` for block32) and all-zero codes; an inf saturates to
-   ``qmax · max_scale``.
+   ``q``'s codes, which a round-up power of two does not (its scale too, except for a block32
+   group so small that all its codes round to zero at the smallest scale ``2**−126``: its zero
+   values come back with the zero group's scale). A zero group gets the smallest scale
+   (``FLT_MIN``, or ``2**(−1 − emax)`` for block32) and all-zero codes. An inf saturates to
+   ``qmax · max_scale`` (for block32, an inf ``amax`` counts as ``FLT_MAX``).
 3. ``v = x / scale`` (one fp32 division), clamped to ``[-qmax, qmax]`` *before* rounding.
 4. ``v`` is rounded once onto the grid of the code dtype: round-to-nearest-even, or with
    ``+sr`` ``floor(v / step + u) * step`` with ``u ~ U[0, 1)`` and ``step`` the grid spacing at
@@ -41,6 +43,8 @@ import math
 from typing import Optional, Union
 
 import torch
+
+from . import _validate
 
 __all__ = [
     "DTYPES",
@@ -102,6 +106,8 @@ class StateFormat:
             raise ValueError(
                 f"format granularity: {self.dtype} has no scale, so no granularity; got {self.granularity!r}"
             )
+        if not isinstance(self.stochastic, bool):
+            raise TypeError(f"format stochastic: expected a bool, got {self.stochastic!r}")
         if self.stochastic and self.dtype == "fp32":
             raise ValueError("format '+sr': stochastic rounding needs a narrower dtype than fp32")
 
@@ -115,8 +121,8 @@ class StateFormat:
         body, sr = text.strip(), False
         if body.endswith("+sr"):
             body, sr = body[: -len("+sr")], True
-        dtype, _, gran = body.partition(":")
-        if dtype not in DTYPES or (gran and gran not in GRANULARITIES):
+        dtype, colon, gran = body.partition(":")
+        if dtype not in DTYPES or (colon and gran not in GRANULARITIES):
             raise ValueError(
                 f"format: unknown format {text!r}; expected '<dtype>[:<granularity>][+sr]' with dtype in "
                 f"{sorted(DTYPES)} and granularity in {list(GRANULARITIES)} (8-bit dtypes only)"
@@ -150,8 +156,15 @@ class StateFormat:
         return DTYPES[self.dtype].scaled
 
     def scale_shape(self, shape) -> Optional[tuple]:
-        """Shape of the fp32 scale for a state of ``shape = (..., headdim, dstate)``; None if unscaled."""
-        shape = tuple(shape)
+        """Shape of the fp32 scale for a state of ``shape = (..., headdim, dstate)``; None if unscaled.
+        Rejects the shapes :func:`quantize` rejects."""
+        try:
+            shape = tuple(shape)
+        except TypeError:
+            raise TypeError(f"shape: expected a sequence of ints, got {type(shape).__name__}") from None
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise TypeError(f"shape: expected a sequence of ints >= 0, got {shape}")
+        _check_state_shape("shape", shape, self)
         if not self.scaled:
             return None
         if self.granularity == "row":
@@ -165,6 +178,11 @@ class StateFormat:
 
         ``head`` granularity needs ``headdim`` (one scale per ``headdim × dstate``).
         """
+        _validate.positive_int("dstate", dstate)
+        if headdim is not None:
+            _validate.positive_int("headdim", headdim)
+        if self.granularity == "block32" and dstate % BLOCK:
+            raise ValueError(f"dstate: block32 needs dstate % 32 == 0, got {dstate}")
         data = DTYPES[self.dtype].bytes
         if not self.scaled:
             return float(data)
@@ -197,15 +215,30 @@ class QuantizedState:
     fmt: StateFormat
 
 
+def _check_state_shape(name: str, shape: tuple, fmt: StateFormat) -> None:
+    # An empty row or head has no amax, so no scale: headdim and dstate must be at least 1.
+    if len(shape) < 2 or min(shape[-2:]) < 1:
+        raise ValueError(f"{name}: expected shape (..., headdim, dstate) with headdim, dstate >= 1, got {shape}")
+    if fmt.granularity == "block32" and shape[-1] % BLOCK:
+        raise ValueError(f"{name}: block32 needs dstate % 32 == 0, got dstate {shape[-1]}")
+
+
 def _check_state(x: torch.Tensor, fmt: StateFormat) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"x: expected shape (..., headdim, dstate), got {tuple(x.shape)}")
-    if fmt.granularity == "block32" and x.shape[-1] % BLOCK:
-        raise ValueError(f"x: block32 needs dstate % 32 == 0, got dstate {x.shape[-1]}")
+    _validate.tensor("x", x)
+    _check_state_shape("x", tuple(x.shape), fmt)
+
+
+def _check_noise(noise, x: torch.Tensor, fmt: StateFormat) -> None:
+    if not fmt.stochastic:
+        raise ValueError(f"noise: only stochastic ('+sr') formats take noise, got format {fmt}")
+    _validate.tensor("noise", noise)
+    if noise.shape != x.shape:
+        raise ValueError(f"noise: expected shape {tuple(x.shape)}, got {tuple(noise.shape)}")
+    # round_to_grid is exact only for fp32 noise in [0, 1) on the 2**-24 grid torch.rand draws from.
+    u = noise.float()
+    if not bool(((u >= 0) & (u < 1) & (torch.floor(u * 2.0**24) == u * 2.0**24)).all()):
+        raise ValueError(f"noise: expected multiples of 2**-24 in [0, 1), got values in "
+                         f"[{u.min().item()}, {u.max().item()}]")
 
 
 def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
@@ -277,7 +310,10 @@ def compute_scale(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
         # its reciprocal, which is not the one IEEE division of rule 2.
         return torch.clamp(amax / torch.full_like(amax, fmt.qmax), FLT_MIN, fmt.max_scale)
     # MX rule: the largest magnitude lands in the top binade of the code, [2**emax, 2**(emax+1)).
-    _, exp = torch.frexp(amax)  # amax = m · 2**exp, 0.5 <= m < 1, so floor(log2 amax) = exp - 1
+    # amax = m · 2**exp, 0.5 <= m < 1, so floor(log2 amax) = exp - 1. frexp gives inf the exponent
+    # 0 (a zero group's scale, under which the rest of the group would be crushed to ±qmax); as
+    # FLT_MAX it gets the largest scale and saturates like row and head. NaN passes the clamp.
+    _, exp = torch.frexp(amax.clamp(max=FLT_MAX))
     shared = torch.clamp(exp - 1 - fmt.emax, min=-126, max=126 - fmt.emax)
     return torch.ldexp(torch.ones_like(amax), shared)
 
@@ -294,19 +330,20 @@ def quantize(
     Returns ``QuantizedState(data, scale, fmt)``: ``data`` shaped like ``x`` in the storage dtype
     (``torch.float8_e4m3fn``, ``torch.int8``, …); ``scale`` fp32 shaped ``fmt.scale_shape(x.shape)``
     or None for fp32/bf16/fp16. Stochastic formats draw ``u ~ U[0, 1)`` from ``generator``
-    (or use ``noise``, shaped like ``x``, when given). NaN in a group makes that group's codes
-    unspecified; it does not reach other groups.
+    (or use ``noise`` when given: shaped like ``x``, multiples of 2**-24 in [0, 1) as
+    ``torch.rand`` draws them; only ``+sr`` formats take it). NaN in a group makes that group's
+    codes unspecified; it does not reach other groups.
     """
     fmt = as_format(fmt)
     _check_state(x, fmt)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    if noise is not None:
+        _check_noise(noise, x, fmt)
     xf = x.float()
     if fmt.stochastic and noise is None:
         device = xf.device if generator is None else generator.device
         noise = torch.rand(xf.shape, generator=generator, device=device).to(xf.device)
-    elif not fmt.stochastic:
-        noise = None
-    elif noise.shape != xf.shape:
-        raise ValueError(f"noise: expected shape {tuple(xf.shape)}, got {tuple(noise.shape)}")
     if fmt.dtype == "fp32":
         return QuantizedState(xf.clone(), None, fmt)
     scale = compute_scale(xf, fmt) if fmt.scaled else None
@@ -320,6 +357,16 @@ def dequantize(q: QuantizedState) -> torch.Tensor:
     """fp32 values of a :class:`QuantizedState`: ``code * scale`` (one fp32 rounding)."""
     if not isinstance(q, QuantizedState):
         raise TypeError(f"q: expected a QuantizedState, got {type(q).__name__}")
+    if not isinstance(q.fmt, StateFormat):
+        raise TypeError(f"q: expected fmt to be a StateFormat, got {type(q.fmt).__name__}")
+    _validate.tensor("q", q.data, floating=False)
+    _check_state_shape("q", tuple(q.data.shape), q.fmt)
+    expected = q.fmt.scale_shape(q.data.shape)
+    if q.scale is not None and not isinstance(q.scale, torch.Tensor):
+        raise TypeError(f"q: expected scale to be a torch.Tensor or None, got {type(q.scale).__name__}")
+    got = None if q.scale is None else tuple(q.scale.shape)
+    if got != expected:
+        raise ValueError(f"q: expected scale shape {expected} for data {tuple(q.data.shape)} in {q.fmt}, got {got}")
     values = q.data.float()
     if q.scale is None:
         return values

@@ -74,6 +74,20 @@ def test_codec_matches_formats_bit_for_bit(text, seed):
     assert torch.equal(_bits(values), _bits(formats.dequantize(expected)))
 
 
+@pytest.mark.parametrize("text", ["fp8_e4m3:block32", "fp8_e5m2:block32", "int8:block32", "int8:block32+sr"])
+def test_block32_inf_saturates_as_formats_does(text):
+    """An inf amax takes FLT_MAX's exponent (formats rule 2): the block saturates at the largest
+    scale, as row and head groups do, instead of taking a zero group's scale."""
+    fmt = formats.StateFormat.parse(text)
+    x = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
+    x[0, 1, 3], x[0, 1, 5], x[1, 2, 40] = float("inf"), 100.0, float("-inf")
+    codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=7, hardware_casts=False)
+    expected = formats.quantize(x, fmt, noise=noise)
+    assert torch.equal(_bits(codes), _bits(expected.data))
+    assert torch.equal(_bits(scale), _bits(expected.scale))
+    assert values[0, 1, 3] == fmt.qmax * fmt.max_scale and values[1, 2, 40] == -fmt.qmax * fmt.max_scale
+
+
 def test_noise_is_a_24_bit_uniform_stream_keyed_by_seed_and_position():
     fmt = formats.StateFormat.parse("int8:row+sr")
     x = torch.randn(4, 16, 64)

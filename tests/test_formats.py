@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qstate import QuantizedState, StateFormat, dequantize, quantize
+from qstate.analysis.roundtrip import roundtrip_
 from qstate.formats import DTYPES, GRANULARITIES
 
 ALL_FORMATS = [
@@ -34,7 +35,8 @@ def test_default_granularity_is_row():
     assert (fmt.dtype, fmt.granularity, fmt.stochastic, fmt.qmax) == ("int8", "block32", True, 127.0)
 
 
-@pytest.mark.parametrize("text", ["fp4", "int8:col", "bf16:row", "fp32+sr", "", "int8:row+rs", "FP32"])
+@pytest.mark.parametrize("text", ["fp4", "int8:col", "bf16:row", "fp32+sr", "", "int8:row+rs", "FP32", "fp8_e4m3:",
+                                  "int8:+sr", "bf16:"])
 def test_unknown_format_lists_choices(text):
     with pytest.raises(ValueError) as err:
         StateFormat.parse(text)
@@ -57,6 +59,33 @@ def test_bytes_per_element_counts_scales(text, expected):
 def test_head_granularity_bytes_need_headdim():
     with pytest.raises(ValueError, match="headdim"):
         StateFormat.parse("int8:head").bytes_per_element(128)
+
+
+def test_stochastic_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match="^format stochastic"):
+        StateFormat("int8", "row", "yes")
+
+
+@pytest.mark.parametrize("text,dstate,headdim,exc", [
+    ("int8:row", 0, None, ValueError), ("int8:row", -4, None, ValueError), ("bf16", 2.5, None, TypeError),
+    ("int8:head", 128, 0, ValueError), ("fp8_e4m3:block32", 40, None, ValueError), ("fp32", True, None, TypeError),
+])
+def test_bytes_per_element_rejects_bad_sizes(text, dstate, headdim, exc):
+    name = "headdim" if headdim is not None else "dstate"
+    with pytest.raises(exc, match=f"^{name}"):
+        StateFormat.parse(text).bytes_per_element(dstate, headdim)
+
+
+@pytest.mark.parametrize("text,shape,exc", [
+    ("int8:block32", (2, 40), ValueError), ("int8:row", (2, 0), ValueError), ("int8:head", (0, 32), ValueError),
+    ("bf16", (32,), ValueError), ("int8:row", (2, 2.0), TypeError), ("int8:row", 5, TypeError),
+])
+def test_scale_shape_rejects_what_quantize_rejects(text, shape, exc):
+    with pytest.raises(exc, match="^shape"):
+        StateFormat.parse(text).scale_shape(shape)
+    if exc is ValueError:
+        with pytest.raises(ValueError, match="^x"):
+            quantize(torch.ones(shape), text)
 
 
 # ----------------------------------------------------------------------------- error bound
@@ -168,6 +197,69 @@ def test_inf_saturates_within_its_group(fmt):
     assert torch.equal(values[1], dequantize(quantize(x[1:], fmt))[0])
 
 
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_block32_inf_saturates_like_row(dtype):
+    # torch.frexp gives inf the exponent 0: the scale was a zero group's, and ±inf and 100 all
+    # decoded to about ±1.
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1], x[0, 2], x[1, 3] = float("inf"), 100.0, float("-inf"), 3.0
+    fmt = StateFormat.parse(f"{dtype}:block32")
+    q = quantize(x, fmt)
+    values = dequantize(q)
+    assert q.scale[0, 0] == fmt.max_scale
+    assert values[0, 0] == fmt.qmax * fmt.max_scale and values[0, 2] == -fmt.qmax * fmt.max_scale
+    assert torch.equal(values, dequantize(quantize(x, f"{dtype}:row")))
+
+
+@pytest.mark.parametrize("fmt", [f for f in ALL_FORMATS if StateFormat.parse(f).scaled and not f.endswith("+sr")])
+def test_roundtrip_equals_quantize_dequantize_with_inf_and_nan(fmt):
+    """analysis.roundtrip_ (the drift engine's store) against quantize + dequantize on groups
+    holding ±inf, and next to a group holding NaN (whose codes are unspecified)."""
+    fmt = StateFormat.parse(fmt)
+    x = sample((2, 3, 96), 0, seed=5)
+    x[0, 0, 1], x[0, 0, 5], x[0, 1, 40] = float("inf"), float("-inf"), float("-inf")
+    x[1, 2, 70] = float("nan")
+    nan_group = torch.zeros(x.shape, dtype=torch.bool)
+    if fmt.granularity == "head":
+        nan_group[1] = True
+    elif fmt.granularity == "row":
+        nan_group[1, 2] = True
+    else:
+        nan_group[1, 2, 64:] = True
+    q = quantize(x, fmt)
+    codes = torch.full_like(x, float("nan"))
+    got = roundtrip_(x.clone(), fmt, codes_out=codes)
+    keep = ~nan_group
+    assert torch.isfinite(got[keep]).all()
+    assert got[0, 0, 1] == fmt.qmax * fmt.max_scale and got[0, 1, 40] == -fmt.qmax * fmt.max_scale
+    assert torch.equal(got[keep], dequantize(q)[keep])  # value equality: int8 may keep the sign of a zero
+    assert torch.equal(codes[keep], q.data.float()[keep])
+
+
+@settings(max_examples=60)
+@given(fmt=st.sampled_from(ALL_FORMATS), log2_mag=st.integers(-160, -110), seed=st.integers(0, 2**31 - 1))
+def test_requantizing_tiny_values_reproduces_codes_and_scales(fmt, log2_mag, seed):
+    """Subnormal and tiny groups next to zero ones: re-quantizing the values gives the codes back,
+    and the scales, except that a block32 group whose codes all round to zero at the smallest
+    scale 2**-126 comes back with the zero group's scale (module docstring, rule 2)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 96, generator=g, dtype=torch.float64)
+    x = (x * torch.exp2(torch.tensor([0.0, -8.0, -16.0], dtype=torch.float64) + log2_mag).repeat_interleave(32)).float()
+    x[1, 1] = 0.0
+    q = quantize(x, fmt, generator=torch.Generator().manual_seed(seed))
+    again = quantize(dequantize(q), fmt, generator=torch.Generator().manual_seed(seed + 1))
+    bits = (lambda t: t.view(torch.uint8)) if q.data.element_size() == 1 else (lambda t: t)
+    assert torch.equal(bits(again.data), bits(q.data))
+    if q.scale is None:
+        return
+    if q.fmt.granularity == "block32":
+        zero_codes = (q.data.float().unflatten(-1, (-1, 32)) == 0).all(dim=-1)
+        assert torch.equal(again.scale[~zero_codes], q.scale[~zero_codes])
+        assert (again.scale[zero_codes] == 2.0 ** (-1 - q.fmt.emax)).all()
+    else:
+        assert torch.equal(again.scale, q.scale)
+
+
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_all_zero_groups(fmt):
     x = torch.zeros(2, 3, 64)
@@ -217,6 +309,42 @@ def test_quantize_rejects_bad_input(bad, exc):
 def test_dequantize_rejects_tensors():
     with pytest.raises(TypeError, match="QuantizedState"):
         dequantize(torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("text,scale", [("int8:row", torch.ones(3)), ("int8:block32", torch.ones(2, 3)),
+                                        ("int8:head", None), ("bf16", torch.ones(2))])
+def test_dequantize_rejects_a_scale_of_the_wrong_shape(text, scale):
+    fmt = StateFormat.parse(text)
+    q = QuantizedState(torch.zeros(2, 64, dtype=fmt.storage_dtype), scale, fmt)
+    with pytest.raises(ValueError, match="^q: expected scale shape"):
+        dequantize(q)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0), (2, 0, 32)])
+def test_quantize_rejects_empty_rows(shape):
+    with pytest.raises(ValueError, match="^x: expected shape"):
+        quantize(torch.ones(shape), "int8:row")
+
+
+@pytest.mark.parametrize("text,noise,exc", [
+    ("int8:row+sr", [[0.5] * 32] * 2, TypeError),
+    ("int8:row+sr", torch.zeros(2, 32, dtype=torch.int64), TypeError),
+    ("int8:row+sr", torch.full((2, 32), 1.5), ValueError),
+    ("int8:row+sr", torch.full((2, 32), -0.25), ValueError),
+    ("int8:row+sr", torch.full((2, 32), float("nan")), ValueError),
+    ("int8:row+sr", torch.full((2, 32), 0.1, dtype=torch.float64), ValueError),  # off the 2**-24 grid
+    ("int8:row+sr", torch.zeros(2, 31), ValueError),
+    ("int8:row", torch.zeros(2, 32), ValueError),  # round to nearest would ignore it
+    ("bf16", torch.zeros(2, 32), ValueError),
+])
+def test_quantize_rejects_bad_noise(text, noise, exc):
+    with pytest.raises(exc, match="^noise"):
+        quantize(torch.ones(2, 32), text, noise=noise)
+
+
+def test_quantize_rejects_a_non_generator():
+    with pytest.raises(TypeError, match="^generator"):
+        quantize(torch.ones(2, 32), "int8:row+sr", generator=5)
 
 
 # ----------------------------------------------------------------------------- fp8 codes
