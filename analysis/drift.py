@@ -30,6 +30,7 @@ import torch
 
 from qstate import _validate
 from qstate import profiles as _profiles
+from qstate.reference import process_dt
 
 from .engine import Conventional, Exact, ReplayGroup, StepInputs
 from .schemes import parse_schemes
@@ -87,6 +88,15 @@ def _progress(total: int, enabled: Optional[bool]):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="step", desc="drift", leave=False)
+
+
+def _observed_parameters(inputs: _profiles.DecodeInputs, steps: int) -> tuple[list, list]:
+    """Effective ``(decay, increment)`` per head over the dt a run took, as
+    :func:`qstate.analysis.theory.head_parameters` defines them for the profile's sampling model:
+    ``a_eff² = E[a_t²]``, ``u² = E[dt²]``."""
+    dt = process_dt(inputs.dt[:steps].double(), inputs.dt_bias, inputs.dt_softplus)  # [T, batch, heads]
+    a2 = torch.exp(2 * dt * inputs.A.double()).mean(dim=(0, 1))
+    return a2.sqrt().tolist(), dt.square().mean(dim=(0, 1)).sqrt().tolist()
 
 
 def simulate(
@@ -210,6 +220,7 @@ def simulate(
         output_error=out_err, state_error=state_err, stalled=stalled,
         failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
         elapsed_s=elapsed, element_steps=float(elements) * steps,
+        observed_parameters=None if inputs is None else _observed_parameters(inputs, steps),
     )
 
 
@@ -280,6 +291,9 @@ class DriftResult:
     failed_at: dict
     elapsed_s: float
     element_steps: float  # state elements × steps, per scheme
+    # (decay, increment) per head of explicit inputs, as the theory takes them; None for inputs
+    # sampled from the profile, whose parameters the profile's sampling model gives
+    observed_parameters: Optional[tuple] = None
 
     def head_curve(self, j: int) -> np.ndarray:
         """Output error of scheme ``j`` at each recorded step, rms over heads."""

@@ -17,9 +17,14 @@ __all__ = ["theory_table", "write_report"]
 def theory_table(result: DriftResult) -> str:
     """Markdown: per scheme and decay class, measured against predicted rms output error over the
     second half of the run (heads of the class pooled); ``*`` marks classes where the theory's
-    assumptions hold for every head (unbiased or stochastic rounding, read copies)."""
-    sample = result.profile.sample_inputs(1, 1, heads=result.heads, seed=result.seed)
-    decays, increments = theory.head_parameters(sample)
+    assumptions hold for every head (unbiased or stochastic rounding, read copies). Heads are
+    predicted with the parameters of the dt the run took when it was given explicit inputs, else
+    with the profile's sampling model."""
+    if result.observed_parameters is not None:
+        decays, increments = (np.asarray(v) for v in result.observed_parameters)
+    else:
+        sample = result.profile.sample_inputs(1, 1, heads=result.heads, seed=result.seed)
+        decays, increments = theory.head_parameters(sample)
     classes = decay_class(result.decay)
     present = [c for c in range(len(DECAY_CLASSES)) if np.any(classes == c)]
     header = "| scheme | " + " | ".join(f"{DECAY_CLASSES[c][2]}: measured / predicted" for c in present) + " |"

@@ -30,13 +30,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
 import torch
 
+from qstate import _validate
 from qstate import profiles as _profiles
-from qstate.formats import StateFormat, as_format, dequantize, quantize
+from qstate.formats import BLOCK, StateFormat, as_format, dequantize, quantize
 
 from .drift import STAGNATION_THRESHOLD
 from .schemes import Scheme
@@ -49,18 +51,53 @@ UNBIASED_MARGIN = 2.0 * math.sqrt(12.0)  # increments this many rounding rms abo
 _MONTE_CARLO_VALUES = 1 << 20  # state elements of the fixed-seed samples below
 
 
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value}")
+    return float(value)
+
+
+def _decay(name: str, value) -> float:
+    """A head's decay ``a = exp(dt·A)`` with ``dt > 0`` and ``A < 0`` lies in (0, 1)."""
+    value = _real(name, value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name}: expected a decay in (0, 1) (a = exp(dt·A), dt > 0, A < 0), got {value}")
+    return value
+
+
+def _positive(name: str, value) -> float:
+    value = _real(name, value)
+    if value <= 0.0:
+        raise ValueError(f"{name}: expected a value > 0, got {value}")
+    return value
+
+
+def _dims(dstate, headdim, *fmts) -> None:
+    _validate.positive_int("dstate", dstate)
+    _validate.positive_int("headdim", headdim)
+    if dstate % BLOCK and any(f is not None and f.granularity == "block32" for f in fmts):
+        raise ValueError(f"dstate: block32 needs dstate % 32 == 0, got {dstate}")
+
+
 @functools.lru_cache(maxsize=None)
 def rounding_rms(fmt, dstate: int = 128, headdim: int = 64) -> float:
     """Relative rms rounding error ``r = sqrt(E|Q(v) − v|² / E|v|²)`` of ``fmt`` for state blocks
     ``(headdim, dstate)`` of i.i.d. Gaussians (the format's grid, scales and stochastic noise as
     :func:`qstate.formats.quantize` applies them; fixed-seed Monte Carlo, 2**20 values)."""
     fmt = as_format(fmt)
-    if fmt.dtype == "fp32":
-        return 2.0**-24 / math.sqrt(3.0)  # half an ulp, uniform: (2^-23 · |v|)²/12 relative
+    _dims(dstate, headdim, fmt)
     gen = torch.Generator().manual_seed(0)
     blocks = max(1, _MONTE_CARLO_VALUES // (headdim * dstate))
-    v = torch.randn(blocks, headdim, dstate, generator=gen)
-    q = dequantize(quantize(v, fmt, generator=gen))
+    if fmt.dtype == "fp32":
+        # fp32 stores values computed in fp64 (the replay engine's fold). The ulp is 2**-23 of the
+        # value's binade, not of the value, so r is about 0.74 of (2**-23)/sqrt(12).
+        v = torch.randn(blocks, headdim, dstate, generator=gen, dtype=torch.float64)
+        q = v.float()
+    else:
+        v = torch.randn(blocks, headdim, dstate, generator=gen)
+        q = dequantize(quantize(v, fmt, generator=gen))
     return float(((q - v).double().square().mean() / v.double().square().mean()).sqrt())
 
 
@@ -113,8 +150,9 @@ def predicted_stalled_fraction(fmt, decay: float, dstate: int = 128, headdim: in
     ``d = sqrt(1 − a²)·x ⊗ B`` (the steady state's increment relative to ``σ_S``), codes compared as
     :func:`qstate.formats.quantize` gives them. The drift measure's stalled fraction, predicted."""
     fmt = as_format(fmt)
+    decay = _decay("decay", decay)
+    _dims(dstate, headdim, fmt)
     codes, stored, outer = _steady_state_sample(fmt, dstate, headdim)
-    decay = float(decay)
     increment = math.sqrt(max(0.0, 1.0 - decay * decay))
     step = quantize(decay * stored + increment * outer, fmt, generator=torch.Generator().manual_seed(1))
     return float((step.data.float() == codes).double().mean())
@@ -126,6 +164,8 @@ def stagnation_predicted(fmt, decay: float, dstate: int = 128, headdim: int = 64
     rounding is unbiased, so its state follows the exact one however small the increments; fp32
     is the reference."""
     fmt = as_format(fmt)
+    _decay("decay", decay)
+    _dims(dstate, headdim, fmt)
     if fmt.stochastic or fmt.dtype == "fp32":
         return False
     return predicted_stalled_fraction(fmt, decay, dstate, headdim) > STAGNATION_THRESHOLD
@@ -133,20 +173,27 @@ def stagnation_predicted(fmt, decay: float, dstate: int = 128, headdim: int = 64
 
 @dataclasses.dataclass
 class Prediction:
-    """Predicted relative errors at steps ``1..T`` for one head."""
+    """Predicted relative errors at steps ``1..T`` for one head.
+
+    ``applies``: the regime is one the formula describes (unbiased or stochastic rounding, read
+    copies) and the storage rounding it models is the only rounding that matters. The drift
+    engine updates and outputs conventional states in fp32 arithmetic, which the formula leaves
+    out; its rounding is of the order of an fp32 state's storage rounding (measured 4–12× the
+    prediction on fixed-decay heads), so a conventional ``fp32`` scheme never applies. Replay is
+    computed in fp64 (as :func:`qstate.reference.decode_replay`), so an fp32 checkpoint's storage
+    rounding is what it measures (a GPU fold in fp32 would add rounding of the same order).
+    """
 
     output_error: np.ndarray  # [T]
     state_error: np.ndarray  # [T]
     stagnates: bool  # the dead band predicts stagnation (then the unbiased formula does not hold)
-    applies: bool  # the regime is one the formula describes (unbiased, stochastic, read copy)
+    applies: bool
     regime: str
 
 
 def _state_variance(decay: float, u: float, steps: int) -> np.ndarray:
     """``σ_S²(t)`` for t = 0..steps (t = 0: zero state)."""
     t = np.arange(steps + 1)
-    if decay >= 1.0:
-        return u * u * t
     return u * u * (1.0 - decay ** (2 * t)) / (1.0 - decay * decay)
 
 
@@ -169,7 +216,11 @@ def predict(scheme, decay: float, steps: int, *, increment: float = 1.0, dstate:
     """Predicted relative output and state errors of ``scheme`` on a head with decay ``decay`` and
     rms increment ``increment`` (``u``), at every step ``1..steps`` from a zero state."""
     scheme = Scheme.parse(scheme)
-    a, u = float(decay), float(increment)
+    a = _decay("decay", decay)
+    _validate.positive_int("steps", steps)
+    u = _positive("increment", increment)
+    _dims(dstate, headdim, scheme.fmt, scheme.checkpoint, scheme.read)
+    D = _real("D", D)
     var = _state_variance(a, u, steps)  # [T+1]
     t = np.arange(1, steps + 1)
     if not scheme.is_replay:
@@ -182,9 +233,13 @@ def predict(scheme, decay: float, steps: int, *, increment: float = 1.0, dstate:
         # Head scales: rows of one head differ in size, which the i.i.d. model of r leaves out.
         unbiased = fmt.granularity != "head" and (
             fmt.stochastic or math.sqrt(max(0.0, 1 - a * a)) >= UNBIASED_MARGIN * r)
-        regime = "stochastic" if fmt.stochastic else ("dead band" if stagnates else
-                                                      ("unbiased" if unbiased else "near the dead band"))
-        return Prediction(out, np.sqrt(err_var / var[1:]), stagnates, unbiased and not stagnates, regime)
+        if fmt.dtype == "fp32":  # rounds no more than the fp32 update and output do (Prediction.applies)
+            regime = "fp32 arithmetic"
+        else:
+            regime = "stochastic" if fmt.stochastic else ("dead band" if stagnates else
+                                                          ("unbiased" if unbiased else "near the dead band"))
+        applies = unbiased and not stagnates and fmt.dtype != "fp32"
+        return Prediction(out, np.sqrt(err_var / var[1:]), stagnates, applies, regime)
 
     L = scheme.ring_len
     r_ck = rounding_rms(scheme.checkpoint, dstate, headdim)
@@ -211,6 +266,9 @@ def head_parameters(inputs: _profiles.DecodeInputs, samples: int = 4096) -> tupl
     """Effective ``(decay, increment)`` per head of sampled profile inputs, whose dt wanders by
     ``dt_raw ~ N(0, DT_NOISE²)``: ``a_eff² = E[a_t²]``, ``u² = E[dt²]`` (unit-variance x and B), so
     the steady states ``u² / (1 − a_eff²)`` match (fixed-seed Monte Carlo over dt)."""
+    if not isinstance(inputs, _profiles.DecodeInputs):
+        raise TypeError(f"inputs: expected a DecodeInputs, got {type(inputs).__name__}")
+    _validate.positive_int("samples", samples)
     gen = torch.Generator().manual_seed(0)
     raw = DT_NOISE * torch.randn(samples, 1, generator=gen, dtype=torch.float64)
     dt = raw + inputs.dt_bias.double()
@@ -223,16 +281,27 @@ def head_parameters(inputs: _profiles.DecodeInputs, samples: int = 4096) -> tupl
 def synthetic_inputs(decays, steps: int, *, batch: int = 2, headdim: int = 16, dstate: int = 64, dt: float = 0.05,
                      seed: int = 0, D: float = 1.0) -> tuple[_profiles.Profile, _profiles.DecodeInputs]:
     """Heads with fixed decay (one per entry of ``decays``) and constant ``dt``: x, B, C ~ N(0, 1),
-    no gate; ``dt`` enters through softplus so that ``DecodeInputs.decay()`` reports the decay."""
+    no gate; ``dt`` enters through softplus so that ``DecodeInputs.decay()`` reports the decay.
+    Decays lie in (0, 1) and ``dt`` (softplus's output) is positive, as ``a = exp(dt·A)`` needs."""
     decays = torch.as_tensor(decays, dtype=torch.float64)
+    if decays.dim() != 1 or decays.numel() < 1:
+        raise ValueError(f"decays: expected a non-empty sequence of decays, got shape {tuple(decays.shape)}")
     if not bool(((decays > 0) & (decays < 1)).all()):
         raise ValueError(f"decays: expected values in (0, 1), got {decays.tolist()}")
+    for name, value in (("steps", steps), ("batch", batch), ("headdim", headdim), ("dstate", dstate)):
+        _validate.positive_int(name, value)
+    _positive("dt", dt)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    D = _real("D", D)
     n = decays.numel()
     gen = torch.Generator().manual_seed(seed)
     dt0 = torch.full((n,), float(dt), dtype=torch.float64)
     dt_bias = (dt0 + torch.log(-torch.expm1(-dt0))).float()  # inverse softplus
     dt_eff = torch.nn.functional.softplus(dt_bias.double())
     A = (torch.log(decays) / dt_eff).float()
+    if not bool(torch.isfinite(A).all()):
+        raise ValueError(f"dt: {dt} is too small: A = log(decay) / dt overflows fp32")
     profile = _profiles.Profile("synthetic", n, headdim, dstate, n, 1)
     inputs = _profiles.DecodeInputs(
         state0=torch.zeros(batch, n, headdim, dstate),
