@@ -50,7 +50,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _validate
-from .formats import FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
+from .formats import FLT_MIN, FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
 
 __all__ = ["ReplayCache"]
 
@@ -125,9 +125,11 @@ class ReplayCache:
             return torch.zeros(shp, dtype=dtype, device=device)
 
         def scale(fmt):
-            # A zero state's scale is the format's smallest (2**-126), as quantize(zeros) gives.
-            return None if fmt is None or not fmt.scaled else torch.full(
-                fmt.scale_shape(shape), 2.0 ** -126, dtype=torch.float32, device=device)
+            # A zero state's scale, as quantize(zeros) gives it: FLT_MIN, or 2**(-1 - emax) for block32.
+            if fmt is None or not fmt.scaled:
+                return None
+            zero = 2.0 ** (-1 - fmt.emax) if fmt.granularity == "block32" else FLT_MIN
+            return torch.full(fmt.scale_shape(shape), zero, dtype=torch.float32, device=device)
 
         return cls(
             checkpoint_format=ck_fmt, read_format=read_fmt, ring_len=ring_len,

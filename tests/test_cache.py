@@ -18,6 +18,16 @@ def test_allocate_shapes_and_dtypes():
     assert cache.nbytes == sum(t.numel() * t.element_size() for t in cache.tensors().values() if t is not None)
 
 
+@pytest.mark.parametrize("read", ["fp8_e4m3:row", "int8:head", "fp8_e4m3:block32", "int8:block32"])
+def test_allocate_stores_what_quantize_gives_a_zero_state(read):
+    cache = ReplayCache.allocate(2, 2, 4, 64, checkpoint="int8:row", read=read)
+    zeros = torch.zeros(2, 2, 4, 64)
+    for data, scale, fmt in ((cache.checkpoint, cache.checkpoint_scale, cache.checkpoint_format),
+                             (cache.read, cache.read_scale, cache.read_format)):
+        q = quantize(zeros, fmt)
+        assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(scale, q.scale)
+
+
 def test_bytes_per_step_of_the_headline_layout():
     """fp32 checkpoint + fp8_e4m3:row read copy, ring 16: 1.5 state bytes per element (DESIGN.md
     §3.1: the flush reads the checkpoint, not the read copy) plus the row scales and the ring
