@@ -90,6 +90,10 @@ def _drift_hf(args) -> int:
     from .analysis.model_drift import DEFAULT_HF_SCHEMES, hf_model_report
     from .analysis.schemes import parse_schemes
 
+    simulation_only = [f"--{name}" for name in ("steps", "heads", "every") if hasattr(args, name)]
+    if simulation_only:
+        raise ValueError(f"argument {simulation_only[0]}: expected only without --hf-model (the model's drift "
+                         f"decodes --new-tokens tokens of every head), got --hf-model")
     if args.prompt is not None and args.prompt_tokens is not None:
         raise ValueError("argument --prompt-tokens: expected only without --prompt (the prompt sets the length), "
                          "got both")
@@ -118,9 +122,10 @@ def _drift(args) -> int:
         raise ValueError(f"argument {given[0]}: expected only with --hf-model (the simulation does not use it), "
                          f"got no --hf-model")
     profile = _profile(args)
-    every = max(1, args.steps // 512) if args.every is None else args.every
+    steps = getattr(args, "steps", 8192)
+    every = getattr(args, "every", max(1, steps // 512))
     schemes = parse_schemes(",".join(DEFAULT_SCHEMES) if args.schemes is None else args.schemes)
-    result = simulate(profile, schemes, args.steps, batch=args.batch, heads=args.heads, seed=args.seed,
+    result = simulate(profile, schemes, steps, batch=args.batch, heads=getattr(args, "heads", 16), seed=args.seed,
                       device=args.device, every=every)
     command = "qstate " + " ".join(shlex.quote(a) for a in args.argv)
     path = write_report(result, args.out, command)
@@ -165,11 +170,14 @@ def _parser() -> argparse.ArgumentParser:
         "--hf-model", metavar="PATH", help="local transformers Mamba2/NemotronH weights: drift of the logits "
         "(teacher-forced, each scheme against the unpatched model) instead of a simulation")
     drift.add_argument("--schemes", help="comma-separated scheme strings (default: the demo set)")
-    drift.add_argument("--steps", type=_count, default=8192)
+    # The simulation's options are absent unless given (SUPPRESS), so that --hf-model can refuse them.
+    drift.add_argument("--steps", type=_count, default=argparse.SUPPRESS, help="decode steps (default: 8192)")
     drift.add_argument("--batch", type=_count, default=2)
-    drift.add_argument("--heads", type=_heads, default=16,
-                       help="number of heads spanning the decay range, 'all', or comma-separated indices")
-    drift.add_argument("--every", type=_count, default=None, help="record every N steps (default: steps / 512)")
+    drift.add_argument("--heads", type=_heads, default=argparse.SUPPRESS,
+                       help="number of heads spanning the decay range, 'all', or comma-separated indices "
+                       "(default: 16)")
+    drift.add_argument("--every", type=_count, default=argparse.SUPPRESS,
+                       help="record every N steps (default: steps / 512)")
     drift.add_argument("--out", type=_folder, default="report",
                        help="output folder (report.md, drift.png, drift.json)")
     # The --hf-model options default to None so that one given without --hf-model is refused.

@@ -66,6 +66,30 @@ def test_config_without_mamba2_fields(tmp_path, capsys):
     assert "config" in capsys.readouterr().err
 
 
+def test_drift_defaults_reach_the_simulation(monkeypatch, tmp_path):
+    """--steps, --heads and --every are absent unless given (so --hf-model can refuse them); the
+    simulation still gets their documented defaults."""
+    from qstate.analysis import drift
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def simulate(profile, schemes, steps, **kwargs):
+        calls.append((steps, kwargs))
+        raise Stop
+
+    monkeypatch.setattr(drift, "simulate", simulate)
+    with pytest.raises(Stop):
+        main(["drift", "--model", "nemotron-h-8b", "--out", str(tmp_path / "r")])
+    with pytest.raises(Stop):
+        main(["drift", "--model", "nemotron-h-8b", "--steps", "1024", "--heads", "all", "--out", str(tmp_path / "r")])
+    (steps, kwargs), (steps2, kwargs2) = calls
+    assert (steps, kwargs["heads"], kwargs["every"]) == (8192, 16, 16)
+    assert (steps2, kwargs2["heads"], kwargs2["every"]) == (1024, None, 2)
+
+
 @pytest.fixture
 def no_simulation(monkeypatch):
     from qstate.analysis import drift
@@ -154,6 +178,9 @@ def hf_calls(monkeypatch):
     (["--prompt", "  "], ["--prompt", "at least one token"]),
     (["--prompt", "hi", "--prompt-tokens", "4"], ["--prompt-tokens", "without --prompt"]),
     (["--schemes", ""], ["schemes", "got none"]),
+    (["--steps", "100"], ["--steps", "only without --hf-model"]),
+    (["--heads", "all"], ["--heads", "only without --hf-model"]),
+    (["--every", "4"], ["--every", "only without --hf-model"]),
 ])
 def test_bad_hf_model_options_are_refused_before_loading(extra, words, hf_folder, hf_calls, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

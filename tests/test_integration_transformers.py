@@ -237,6 +237,9 @@ def test_decode_logits_rejects_bad_arguments(mamba2):
         qt.decode_logits(mamba2, torch.zeros(2, 3), 2)
     with pytest.raises(ValueError, match="new_tokens: expected an int >= 1"):
         qt.decode_logits(mamba2, hf_tiny.prompt(), 0)
+    for empty in (hf_tiny.prompt()[:, :0], hf_tiny.prompt()[:0]):
+        with pytest.raises(ValueError, match="input_ids: expected at least one sequence of at least one token"):
+            qt.decode_logits(mamba2, empty, 2)
     with pytest.raises(ValueError, match="tokens: expected shape"):
         qt.decode_logits(mamba2, hf_tiny.prompt(batch=2), 3, tokens=torch.zeros(2, 2, dtype=torch.long))
 

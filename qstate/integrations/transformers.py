@@ -241,6 +241,9 @@ def decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         got = (f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
                else type(input_ids).__name__)
         raise ValueError(f"input_ids: expected an integer tensor (batch, prompt_len), got {got}")
+    if not input_ids.numel():
+        raise ValueError(f"input_ids: expected at least one sequence of at least one token, got shape "
+                         f"{tuple(input_ids.shape)}")
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError(f"new_tokens: expected an int >= 1, got {new_tokens!r}")
     if tokens is not None and tuple(tokens.shape) != (input_ids.shape[0], new_tokens):
