@@ -111,6 +111,12 @@ def unit_stride_params(dt: torch.Tensor, A, D, dt_bias):
     return dt, per_head_vector("A", A), per_head_vector("D", D), per_head_vector("dt_bias", dt_bias)
 
 
+def bool_flag(name: str, value) -> None:
+    """A flag that must be a bool (a truthy string such as "False" would run as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def same_device(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:

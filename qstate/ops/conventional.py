@@ -87,8 +87,7 @@ def _check_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
     _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
         raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
-    if not isinstance(dt_softplus, bool):
-        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+    _common.bool_flag("dt_softplus", dt_softplus)
     if out is not None:
         _common.check_out(out, x)
 

@@ -123,8 +123,7 @@ def _check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_
         if t.dtype != cache.input_dtype:
             raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
                             f"got {t.dtype}")
-    if not isinstance(dt_softplus, bool):
-        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+    _common.bool_flag("dt_softplus", dt_softplus)
 
 
 def _checked_ring_call(accepted: _signature.AcceptedSignatures, check, cache, x, dt, A, B, C, D, z, dt_bias,

@@ -311,8 +311,7 @@ def selective_state_update_drafts(
                                       dstate=dstate, ngroups=None, device=state.device)
     _check_intermediate(intermediate, intermediate_scale, state, consts, batch, T)
     _check_contiguous_state(state, state_scale)
-    if not isinstance(dt_softplus, bool):
-        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
+    _common.bool_flag("dt_softplus", dt_softplus)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
         _common.check_slot_values(state_batch_indices, nslots)
