@@ -1,6 +1,7 @@
 """Python cost of an eager call, without a GPU: the public ops and their launchers at batch 1 of
-nemotron-h-8b's layer (CPU tensors) with every Triton launch replaced by a no-op, so what is
-timed is checks, argument plumbing and launch plans alone.
+nemotron-h-8b's layer (CPU tensors) with every Triton launch replaced by a no-op that stands in
+for a compiled GPU kernel, so what is timed is the Python a GPU call runs (checks, argument
+plumbing, launch plans, compiled-launch signatures and prepared launches) without the launch.
 
     python bench/host_overhead.py [--calls 2000]
 
@@ -15,6 +16,7 @@ host the Triton launches add to these (bench/README.md, "Eager overhead").
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -36,8 +38,21 @@ _KERNELS = {conventional: ["_conventional_kernel"],
 
 
 class _NoLaunch:
+    """A kernel that launches nothing, standing in as a compiled GPU kernel would: the first call
+    of a signature binds (``kernel[grid](*args, **constexprs)``), later ones take the compiled
+    kernel's launcher."""
+
+    def __init__(self, kernel):
+        self.signature = inspect.signature(getattr(kernel, "fn", kernel))
+        self.arg_names = list(self.signature.parameters)
+
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _Compiled()
+
+
+class _Compiled:
+    def __getitem__(self, grid):
+        return lambda *args: None
 
 
 def _us(fn, calls: int) -> float:
@@ -58,7 +73,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for module, names in _KERNELS.items():
         for name in names:
-            replace_kernel(module, name, _NoLaunch())
+            replace_kernel(module, name, _NoLaunch(getattr(module, name)), stand_in=True)
     torch.set_num_threads(1)
     prof = profiles.get("nemotron-h-8b")
     H, P, N, G = prof.nheads, prof.headdim, prof.dstate, prof.ngroups

@@ -554,6 +554,50 @@ def launch(
     tile only.
     ``fused``: the fused arithmetic of row and head scales (default: on a GPU only).
     """
+    grid, args, constexprs = _kernel_call(
+        state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor,
+        dtype_code=dtype_code, granularity=granularity, stochastic=stochastic, qmax=qmax, emax=emax,
+        dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads_per_group=heads_per_group, block_p=block_p,
+        num_warps=num_warps, variant=variant, fused=fused, maxnreg=maxnreg)
+    _launch(grid, args, constexprs, state.is_cuda)
+
+
+def knows(key) -> bool:
+    """Whether :func:`prepare` has seen ``key`` (prepared, or not preparable)."""
+    return _launch.knows(key)
+
+
+def prepare(key, leading, *args, **kwargs) -> None:
+    """After ``launch(*args, **kwargs)``: keep that launch under ``key`` for
+    :func:`launch_prepared`. ``leading``: the caller's ``(state, state_scale, x, dt, A, B, C, D, z,
+    dt_bias, slot_indices, out, seed, seed_tensor)``, each the tensor given to ``launch`` or one
+    it is a view of at the same address (``launch.CompiledLaunch.prepare`` says what happens
+    otherwise). ``key`` must hold everything ``launch`` reads besides those tensors' addresses
+    and the seed: shapes, strides, dtypes, device and the keyword arguments."""
+    grid, kernel_args, constexprs = _kernel_call(*args, **kwargs)
+    _launch.prepare(key, grid, kernel_args, constexprs, _kernel_order(*leading), args[0].is_cuda)
+
+
+def launch_prepared(key, state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed,
+                    seed_tensor) -> bool:
+    """The launch kept under ``key`` by :func:`prepare`, with these tensors and seed; False (and
+    nothing launched) if there is none or it does not fit them (``launch.PreparedLaunch``)."""
+    prepared = _launch.prepared(key)
+    return prepared is not None and prepared(
+        state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed)
+
+
+def _kernel_order(state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor):
+    # The kernel takes the seed tensor before the seed.
+    return state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed
+
+
+def _kernel_call(
+    state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
+    dtype_code, granularity, stochastic, qmax, emax, dt_softplus, pad_slot_id, heads_per_group, block_p=None,
+    num_warps=None, variant=None, fused=None, maxnreg=None,
+):
+    """``(grid, kernel arguments, constexprs)`` of :func:`launch`'s call."""
     batch, nheads, headdim = x.shape
     nslots, _, _, dstate = state.shape
     out_code = _OUT_CODES.get(out.dtype, OUT_FP32)
@@ -571,11 +615,12 @@ def launch(
     x_strides, dt_strides, B_strides, C_strides = x.stride(), dt.stride(), B.stride(), C.stride()
     z_strides = z.stride() if z is not None else (0, 0)
     out_strides = out.stride()
-    _launch(plan.grid, (
+    args = (
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices,
         out.view(torch.int16) if out_code == OUT_BF16 else out, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,
         state_strides[0], state_strides[1], state_strides[2], *scale_strides,
         x_strides[0], x_strides[1], dt_strides[0], dt_strides[1], B_strides[0], B_strides[1], C_strides[0],
         C_strides[1], z_strides[0], z_strides[1], out_strides[0], out_strides[1],
-    ), plan.constexprs, state.is_cuda)
+    )
+    return plan.grid, args, plan.constexprs

@@ -13,11 +13,16 @@ launcher's cached plan, by identity), the grid, the device, each tensor argument
 whether its address is a multiple of 16, and the exact value of every other argument, except
 ``volatile`` ones (declared ``do_not_specialize`` in the kernel), of which only the integer
 type Triton gives them counts. CPU tensors (the interpreter) always take ``kernel[grid]``.
+
+:class:`PreparedLaunch` goes one step further for an op whose checks already hold a call
+signature of its own (shapes, strides, dtypes, plain arguments): everything a launch computes
+from those (grid, sizes, strides, constexprs, the compiled launcher) is kept under the op's key,
+and a repeat call only puts its tensors in front (kernels/README.md, "launch.py").
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -47,13 +52,18 @@ class CompiledLaunch:
     the kernel's compiled launcher once the call signature has been seen (``on_gpu`` and
     ``ENABLED``)."""
 
-    def __init__(self, kernel, volatile: Sequence[str] = ()):
+    def __init__(self, kernel, volatile: Sequence[str] = (), stand_in: bool = False):
         self.kernel = kernel
+        # A stand-in kernel (a tool's recording or no-op object) is launched as a compiled GPU
+        # kernel would be, whatever the tensors' device.
+        self.stand_in = stand_in
         self._volatile = frozenset(kernel.arg_names.index(name) for name in volatile)
         self._launchers: dict = {}
+        self._prepared: dict = {}
 
     def clear(self) -> None:
         self._launchers.clear()
+        self._prepared.clear()
 
     def _signature(self, grid, args, constexprs):
         key = [id(constexprs), grid, args[0].device.index]  # the ops put every tensor on one device
@@ -67,7 +77,7 @@ class CompiledLaunch:
         return tuple(key)
 
     def __call__(self, grid, args: Sequence, constexprs: dict, on_gpu: bool) -> None:
-        if not (ENABLED and on_gpu):
+        if not (ENABLED and (on_gpu or self.stand_in)):
             self.kernel[grid](*args, **constexprs)
             return
         signature = self._signature(grid, args, constexprs)
@@ -86,14 +96,88 @@ class CompiledLaunch:
         launcher, trailing, _ = entry
         launcher(*args, *trailing)
 
+    def prepare(self, key: Hashable, grid, args: Sequence, constexprs: dict, leading: Sequence,
+                on_gpu: bool) -> None:
+        """Keep the launch just made with ``(grid, args, constexprs)`` under the caller's ``key``
+        as a :class:`PreparedLaunch` whose first ``len(leading)`` arguments a call supplies. Each
+        of ``leading`` is what the caller will pass in that place: the argument itself, or for a
+        tensor one at the same address (the caller's tensor of which the argument is a view). If
+        one is not (a copy made for the launch), or the launch is not compiled (``on_gpu`` False:
+        the interpreter), the key is marked as one that cannot be prepared (:meth:`knows` it,
+        :meth:`prepared` gives None). While ``ENABLED`` is off nothing is kept."""
+        if not ENABLED:
+            return
+        if len(self._prepared) >= MAX_SIGNATURES:
+            self._prepared.clear()
+        on_gpu = on_gpu or self.stand_in
+        entry = self._launchers.get(self._signature(grid, args, constexprs)) if on_gpu else None
+        if entry is None:
+            self._prepared[key] = None
+            return
+        for given, passed in zip(leading, args):
+            if isinstance(passed, torch.Tensor):
+                fits = isinstance(given, torch.Tensor) and given.data_ptr() == passed.data_ptr()
+            else:
+                fits = type(given) is type(passed)
+            if not fits:
+                self._prepared[key] = None
+                return
+        launcher, trailing, _ = entry
+        count = len(leading)
+        self._prepared[key] = PreparedLaunch(
+            launcher, (*args[count:], *trailing),
+            tuple((position, value.data_ptr() % 16 == 0) for position, value in enumerate(args[:count])
+                  if isinstance(value, torch.Tensor)),
+            tuple((position, _integer_type(args[position])) for position in sorted(self._volatile)
+                  if position < count))
 
-def replace_kernel(module, name: str, replacement) -> None:
+    def knows(self, key: Hashable) -> bool:
+        """Whether :meth:`prepare` has kept ``key``, as a launch or as one that cannot be prepared."""
+        return key in self._prepared
+
+    def prepared(self, key: Hashable) -> Optional["PreparedLaunch"]:
+        """The :class:`PreparedLaunch` kept under ``key``, or None (also while ``ENABLED`` is off)."""
+        return self._prepared.get(key) if ENABLED else None
+
+
+class PreparedLaunch:
+    """A compiled kernel's launch with every argument after the leading ones bound.
+
+    ``prepared(*leading)`` launches with ``leading`` in front and returns True, unless a leading
+    tensor's 16-byte alignment or a volatile integer's type differs from the call it was
+    prepared from (Triton would have compiled another kernel): then it launches nothing and
+    returns False. The caller vouches for everything else (shapes, strides, dtypes, devices and
+    plain arguments equal to the prepared call's): that is what its key must hold."""
+
+    __slots__ = ("_launcher", "_bound", "_aligned", "_integer_types")
+
+    def __init__(self, launcher, bound: tuple, aligned: tuple, integer_types: tuple):
+        self._launcher = launcher
+        self._bound = bound
+        self._aligned = aligned
+        self._integer_types = integer_types
+
+    def __call__(self, *leading) -> bool:
+        for position, aligned in self._aligned:
+            if (leading[position].data_ptr() % 16 == 0) != aligned:
+                return False
+        for position, integer_type in self._integer_types:
+            if _integer_type(leading[position]) != integer_type:
+                return False
+        self._launcher(*leading, *self._bound)
+        return True
+
+
+def replace_kernel(module, name: str, replacement, stand_in: bool = False) -> None:
     """Put ``replacement`` in place of ``module``'s kernel ``name``, in the module and in the
     :class:`CompiledLaunch` objects that wrap it: for tools that record or stub launches
-    (``bench.sass_count``, ``bench/host_overhead.py``)."""
+    (``bench.sass_count``, ``bench/host_overhead.py``). ``stand_in``: launch it as a compiled GPU
+    kernel whatever the tensors' device (``replacement[grid](*args, **constexprs)`` must then
+    return an object whose ``[grid]`` is the launcher)."""
     original = getattr(module, name)
     setattr(module, name, replacement)
     for value in vars(module).values():
         if isinstance(value, CompiledLaunch) and value.kernel is original:
             value.kernel = replacement
+            value.stand_in = stand_in
             value.clear()

@@ -12,13 +12,15 @@ over dstate in another order, so they are compared by relative error: each outpu
 ``Σ|S·C| / |Σ S·C|`` of random data, measured below 3 here).
 """
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 import qstate
 from qstate import formats, reference
-from qstate.kernels import codec, codec_probe, conventional
+from qstate.kernels import codec, codec_probe, conventional, launch
 
 SCALED_FORMATS = [f"{d}:{g}" for d in ("int8", "fp8_e4m3", "fp8_e5m2") for g in ("row", "head", "block32")]
 ALL_FORMATS = ["fp32", "bf16", "fp16", "bf16+sr", "fp16+sr", *SCALED_FORMATS, "int8:row+sr", "fp8_e4m3:block32+sr"]
@@ -540,3 +542,95 @@ def test_fake_impl_traces_without_running():
     meta = {k: v.to("meta") for k, v in _inputs(2, 4, 8, 32, 2).items()}
     out = qstate.selective_state_update(torch.zeros(2, 4, 8, 32, device="meta"), **meta)
     assert out.shape == (2, 4, 8) and out.device.type == "meta"
+
+
+class _StandInKernel:
+    """Records what Triton would be asked for the conventional kernel: ``kernel[grid](*args,
+    **constexprs)`` ("bind") or the compiled kernel's launcher ``[grid](*all_args)`` ("compiled")."""
+
+    def __init__(self):
+        self.signature = inspect.signature(conventional._conventional_kernel.fn)
+        self.arg_names = list(self.signature.parameters)
+        self.log = []
+
+    def __getitem__(self, grid):
+        def bind(*args, **constexprs):
+            self.log.append(("bind", args, constexprs))
+            # The compiled kernel: its launcher, indexed by the three-dimensional grid.
+            return {(*grid, 1, 1)[:3]: lambda *all_args: self.log.append(("compiled", all_args))}
+
+        return bind
+
+
+def _stand_in_launch(monkeypatch):
+    kernel = _StandInKernel()
+    monkeypatch.setattr(conventional, "_launch", launch.CompiledLaunch(kernel, volatile=("seed",), stand_in=True))
+    return kernel
+
+
+def _eager_call_inputs(seed, nheads=6, headdim=8, dstate=32, ngroups=2):
+    """A batch-2 call in the tied (mamba_ssm) form with every optional argument, bf16 x/z/out
+    and an int8:row state: each view the launcher makes (storage view, compact dt and A, the
+    bf16 output as int16) must stand for the caller's tensor."""
+    fmt = formats.StateFormat.parse("int8:row")
+    inp = _inputs(2, nheads, headdim, dstate, ngroups, seed=seed, dtype=torch.bfloat16)
+    stored = _stored(fmt, (3, nheads, headdim, dstate), seed=seed)
+    return dict(
+        state=stored.data, x=inp["x"], dt=inp["dt"][..., None].expand(2, nheads, headdim),
+        A=inp["A"][:, None, None].expand(nheads, headdim, dstate), B=inp["B"], C=inp["C"], D=inp["D"],
+        z=inp["z"], dt_bias=torch.zeros(nheads), dt_softplus=True,
+        state_batch_indices=torch.tensor([2, -1]), state_scale=stored.scale, state_format="int8:row",
+        out=torch.empty(2, nheads, headdim, dtype=torch.bfloat16), seed=7,
+    )
+
+
+def test_an_eager_repeat_launches_what_the_full_path_would(monkeypatch):
+    """Second call, same signature, other tensors: one compiled launch, no bind, with exactly
+    the arguments the launcher computes for that call (tensors by address)."""
+    kernel = _stand_in_launch(monkeypatch)
+    qstate.selective_state_update(**_eager_call_inputs(0))
+    second = _eager_call_inputs(1)
+    qstate.selective_state_update(**second)
+    assert [entry[0] for entry in kernel.log] == ["bind", "compiled"]
+    constexprs = kernel.log[0][2]
+    launched = kernel.log[1][1]
+    s, fmt = second, formats.StateFormat.parse("int8:row")
+    grid, expected, expected_constexprs = conventional._kernel_call(
+        codec.storage_view(s["state"], fmt), s["state_scale"], s["x"], s["dt"][..., 0], s["A"][:, 0, 0], s["B"],
+        s["C"], s["D"], s["z"], s["dt_bias"], s["state_batch_indices"], s["out"], 7, None,
+        dtype_code=codec.dtype_code(fmt), granularity=codec.granularity_code(fmt), stochastic=False,
+        qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=3)
+    assert expected_constexprs == constexprs
+    assert len(launched) == len(kernel.arg_names)
+    for got, want in zip(launched, expected):
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
+        else:
+            assert got == want
+    trailing = launched[len(expected):]
+    names = kernel.arg_names[len(expected):]
+    assert trailing == tuple(constexprs.get(name, kernel.signature.parameters[name].default) for name in names)
+
+
+def test_an_eager_repeat_takes_the_full_path_where_it_must(monkeypatch):
+    """A strided A is copied for the launch (never prepared); a tensor at another 16-byte
+    alignment and a tensor seed are other kernels (bind again)."""
+    kernel = _stand_in_launch(monkeypatch)
+
+    def call(inputs_seed, **overrides):
+        """How the call launched: "bind", "compiled" (CompiledLaunch's table: the launcher's
+        int16 view of the bf16 output) or "prepared" (the caller's bf16 output itself)."""
+        args = _eager_call_inputs(inputs_seed)
+        args.update(overrides)
+        qstate.selective_state_update(**args)
+        kind, launched = kernel.log[-1][:2]
+        return "prepared" if kind == "compiled" and launched[11].dtype == torch.bfloat16 else kind
+
+    strided_A = lambda: (-torch.rand(12))[::2]  # noqa: E731
+    assert [call(0, A=strided_A()), call(1, A=strided_A())] == ["bind", "compiled"]
+    assert [call(0), call(1)] == ["compiled", "prepared"]
+    x = _eager_call_inputs(2)["x"]
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x)  # 2 bytes off
+    assert call(2, x=shifted) == "bind"
+    assert call(3, seed=torch.tensor([5], dtype=torch.int32)) == "bind"
+    assert call(4, seed=torch.tensor([6], dtype=torch.int32)) == "prepared"

@@ -136,3 +136,68 @@ def test_register_caps_apply_to_gpu_launches_only():
     assert launch.register_cap(128, torch.device("cpu")) == {}
     assert launch.register_cap(None, torch.device("cuda")) == {}
     assert launch.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}
+
+
+def _prepared_run(kernel):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    args = _args()
+    run((3, 1), args, CONSTEXPRS, on_gpu=True)
+    run.prepare("key", (3, 1), args, CONSTEXPRS, args, on_gpu=True)
+    return run
+
+
+def test_a_prepared_launch_puts_the_call_arguments_before_the_bound_ones(kernel):
+    run = _prepared_run(kernel)
+    a, b = torch.ones(8), torch.ones(8, dtype=torch.int32)
+    assert run.prepared("key")(a, b, 64, 9)
+    assert kernel.log[-1] == ("compiled", (3, 1, 1), (a, b, 64, 9, 32, True))
+    assert len(kernel.log) == 2  # the first call's bind, then the prepared launch: no bind
+
+
+def test_a_view_at_the_same_address_may_stand_for_its_argument(kernel):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    a = torch.zeros(8)
+    args = _args(a=a.view(torch.int32))  # what a launcher passes for a state in its storage dtype
+    run((3, 1), args, CONSTEXPRS, on_gpu=True)
+    run.prepare("key", (3, 1), args, CONSTEXPRS, (a, *args[1:]), on_gpu=True)
+    assert run.prepared("key") is not None
+
+
+@pytest.mark.parametrize("change", ["alignment", "volatile type"])
+def test_a_prepared_launch_refuses_what_triton_would_compile_again(kernel, change):
+    run = _prepared_run(kernel)
+    a, b, n, seed = _args()
+    if change == "alignment":
+        b = torch.zeros(9, dtype=torch.int32)[1:]
+    else:
+        seed = 2**31
+    assert not run.prepared("key")(a, b, n, seed)
+    assert len(kernel.log) == 1  # nothing launched
+
+
+def test_a_copy_made_for_the_launch_is_not_prepared(kernel):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    args = _args()
+    run((3, 1), args, CONSTEXPRS, on_gpu=True)
+    run.prepare("key", (3, 1), args, CONSTEXPRS, (args[0].clone(), *args[1:]), on_gpu=True)
+    assert run.knows("key") and run.prepared("key") is None
+
+
+def test_uncompiled_launches_are_never_prepared(kernel):
+    run = launch.CompiledLaunch(kernel, volatile=("seed",))
+    args = _args()
+    run((3, 1), args, CONSTEXPRS, on_gpu=False)
+    run.prepare("key", (3, 1), args, CONSTEXPRS, args, on_gpu=False)
+    assert run.knows("key") and run.prepared("key") is None
+
+
+def test_prepared_launches_follow_enabled_and_clear(kernel, monkeypatch):
+    run = _prepared_run(kernel)
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert run.prepared("key") is None
+    run.prepare("other", (3, 1), _args(), CONSTEXPRS, _args(), on_gpu=True)
+    assert not run.knows("other")
+    monkeypatch.setattr(launch, "ENABLED", True)
+    assert run.prepared("key") is not None
+    run.clear()
+    assert not run.knows("key")

@@ -9,7 +9,8 @@ tensors. Otherwise (eager calls, and CUDA-graph capture, which records the same 
 calls ``impl`` itself, skipping the dispatcher's handling of the arguments: with kernel
 launches stubbed out on a 2-core CPU host, ``replay_decode``'s 25 arguments through the
 dispatcher took about 210 µs a call, the whole public call without it 20–26
-(``bench/host_overhead.py``).
+(``bench/host_overhead.py``). An eager GPU call whose signature has been launched before skips
+the implementation too, through a launch prepared for that signature (``kernels/launch.py``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ def mutating_op(name: str, impl: Callable[..., None], mutates_args: Sequence[str
     op.register_fake(_no_output)
 
     def call(*args) -> None:
-        first = args[0]
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or first.device.type == "meta":
-            op(*args)
-        else:
+        if eager(args[0]):
             impl(*args)
+        else:
+            op(*args)
 
     return call
+
+
+def eager(first: torch.Tensor) -> bool:
+    """Whether a call whose first tensor is ``first`` runs the implementation itself: nothing is
+    tracing or faking it and its tensors are not meta tensors."""
+    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None and first.device.type != "meta"

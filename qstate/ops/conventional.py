@@ -11,9 +11,20 @@ import torch
 from .. import _validate
 from ..kernels import conventional as _kernel
 from . import _common, _signature
-from ._register import mutating_op
+from ._register import eager, mutating_op
 
 _OP_NAME = "qstate::selective_state_update"
+
+
+def _launch_arguments(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
+                      state_format, pad_slot_id, seed, seed_tensor):
+    """``(args, kwargs)`` of the kernel launcher for the op's arguments."""
+    consts = _common.format_constants(state_format)
+    return ((_kernel.codec.storage_view(state, consts.fmt), state_scale, x, dt, A, B, C, D, z, dt_bias,
+             state_batch_indices, out, seed, seed_tensor),
+            dict(dtype_code=consts.dtype_code, granularity=consts.granularity, stochastic=consts.stochastic,
+                 qmax=consts.qmax, emax=consts.emax, dt_softplus=dt_softplus, pad_slot_id=pad_slot_id,
+                 heads_per_group=x.shape[1] // B.shape[1]))
 
 
 def _selective_state_update_impl(
@@ -22,14 +33,9 @@ def _selective_state_update_impl(
     dt_bias: Optional[torch.Tensor], dt_softplus: bool, state_batch_indices: Optional[torch.Tensor],
     out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int, seed_tensor: Optional[torch.Tensor],
 ) -> None:
-    consts = _common.format_constants(state_format)
-    _kernel.launch(
-        _kernel.codec.storage_view(state, consts.fmt), state_scale, x, dt, A, B, C, D, z, dt_bias,
-        state_batch_indices, out, seed, seed_tensor,
-        dtype_code=consts.dtype_code, granularity=consts.granularity, stochastic=consts.stochastic,
-        qmax=consts.qmax, emax=consts.emax, dt_softplus=dt_softplus, pad_slot_id=pad_slot_id,
-        heads_per_group=x.shape[1] // B.shape[1],
-    )
+    args, kwargs = _launch_arguments(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                     state_batch_indices, out, state_format, pad_slot_id, seed, seed_tensor)
+    _kernel.launch(*args, **kwargs)
 
 
 _selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl, ("state", "state_scale", "out"))
@@ -143,12 +149,24 @@ def selective_state_update(
     consts = _common.resolve_format(state_format, state)
     if state_batch_indices is not None:
         _common.check_slot_values(state_batch_indices, state.shape[0], pad_slot_id)
-    dt, A, D, dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
     if out is None:
         out = torch.empty_like(x)
     seed_value, seed_tensor = _resolve_seed(seed, consts, state.device)
-    A, D, dt_bias = (_common.per_head_vector(n, t) for n, t in (("A", A), ("D", D), ("dt_bias", dt_bias)))
-    args = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices, out,
-            str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
+    # The signature, with the seed tensor's dtype (a tensor seed is another kernel), fixes every
+    # argument of the launch but the tensors' addresses and the seed: an eager repeat on a GPU
+    # launches directly (kernels/launch.py, PreparedLaunch).
+    key = (signature, None if seed_tensor is None else seed_tensor.dtype)
+    given = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, seed_value, seed_tensor)
+    run_eagerly = eager(state)
+    if run_eagerly and _kernel.launch_prepared(key, *given):
+        return out
+    compact_dt, compact_A, compact_D, compact_dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
+    compact_A, compact_D, compact_dt_bias = (_common.per_head_vector(n, t) for n, t in
+                                             (("A", compact_A), ("D", compact_D), ("dt_bias", compact_dt_bias)))
+    args = (state, state_scale, x, compact_dt, compact_A, B, C, compact_D, z, compact_dt_bias, dt_softplus,
+            state_batch_indices, out, str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
     _selective_state_update_op(*args)
+    if run_eagerly and not _kernel.knows(key):
+        launch_args, launch_kwargs = _launch_arguments(*args)
+        _kernel.prepare(key, given, *launch_args, **launch_kwargs)
     return out
