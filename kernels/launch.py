@@ -57,6 +57,7 @@ class CompiledLaunch:
         # A stand-in kernel (a tool's recording or no-op object) is launched as a compiled GPU
         # kernel would be, whatever the tensors' device.
         self.stand_in = stand_in
+        self.volatile = tuple(volatile)
         self._volatile = frozenset(kernel.arg_names.index(name) for name in volatile)
         self._launchers: dict = {}
         self._prepared: dict = {}
@@ -146,8 +147,10 @@ class PreparedLaunch:
     ``prepared(*leading)`` launches with ``leading`` in front and returns True, unless a leading
     tensor's 16-byte alignment or a volatile integer's type differs from the call it was
     prepared from (Triton would have compiled another kernel): then it launches nothing and
-    returns False. The caller vouches for everything else (shapes, strides, dtypes, devices and
-    plain arguments equal to the prepared call's): that is what its key must hold."""
+    returns False. ``fits`` and ``launch`` are the two halves, for an op that must know all its
+    launches fit before making the first. The caller vouches for everything else (shapes,
+    strides, dtypes, devices and plain arguments equal to the prepared call's): that is what its
+    key must hold."""
 
     __slots__ = ("_launcher", "_bound", "_aligned", "_integer_types")
 
@@ -157,13 +160,21 @@ class PreparedLaunch:
         self._aligned = aligned
         self._integer_types = integer_types
 
-    def __call__(self, *leading) -> bool:
+    def fits(self, *leading) -> bool:
         for position, aligned in self._aligned:
             if (leading[position].data_ptr() % 16 == 0) != aligned:
                 return False
         for position, integer_type in self._integer_types:
             if _integer_type(leading[position]) != integer_type:
                 return False
+        return True
+
+    def launch(self, *leading) -> None:
+        self._launcher(*leading, *self._bound)
+
+    def __call__(self, *leading) -> bool:
+        if not self.fits(*leading):
+            return False
         self._launcher(*leading, *self._bound)
         return True
 

@@ -689,40 +689,104 @@ def launch_replay_decode(
     head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
     kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
+    on_gpu = x.is_cuda
+    for launch, grid, args, constexprs in _decode_launches(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read,
+            read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
+            checkpoint_format=checkpoint_format, read_format=read_format, seed=seed, step_block_p=step_block_p,
+            step_warps=step_warps, heads_per_program=heads_per_program, step_stages=step_stages):
+        launch(grid, args, constexprs, on_gpu)
+
+
+def knows_decode(key) -> bool:
+    """Whether :func:`prepare_decode` has seen ``key`` (prepared, or not preparable)."""
+    return _launch_flush.knows(key)
+
+
+def prepare_decode(key, tensors, *args, **kwargs) -> None:
+    """After ``launch_replay_decode(*args, **kwargs)``: keep its two launches under ``key`` for
+    :func:`launch_decode_prepared`. ``tensors``: the caller's ``(x, dt, A, B, C, D, z, dt_bias,
+    slot_indices, out, checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B,
+    cursor, generation, flush_rows, flush_counters)``, each the tensor given to the launcher or
+    one it is a view of at the same address (``launch.CompiledLaunch.prepare``). ``key`` must
+    hold everything the launcher reads besides those tensors' addresses: their shapes, strides,
+    dtypes and device, the formats, the flag and the seed."""
+    on_gpu = args[0].is_cuda
+    for (launch, grid, launch_args, constexprs), leading in zip(_decode_launches(*args, **kwargs),
+                                                                 _decode_leading(*tensors)):
+        launch.prepare(key, grid, launch_args, constexprs, leading, on_gpu)
+
+
+def launch_decode_prepared(key, *tensors) -> bool:
+    """The two launches kept under ``key`` by :func:`prepare_decode`, with these tensors (the
+    order of ``prepare_decode``'s); False, and nothing launched, unless both fit them."""
+    flush = _launch_flush.prepared(key)
+    if flush is None:
+        return False
+    step = _launch_step_grouped.prepared(key) or _launch_step.prepared(key)
+    if step is None:
+        return False
+    step_leading, flush_leading = _decode_leading(*tensors)
+    if not (step.fits(*step_leading) and flush.fits(*flush_leading)):
+        return False
+    step.launch(*step_leading)
+    flush.launch(*flush_leading)
+    return True
+
+
+def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,
+                    read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters):
+    """The tensor arguments that open the step and the flush kernels' argument lists, in order;
+    ``x`` stands for absent optional pointers (never read: constexpr flags)."""
+    has_read = read is not None
+    z_arg = z if z is not None else x
+    D_arg = D if D is not None else x
+    slots_arg = slot_indices if slot_indices is not None else x
+    ring = (ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters)
+    state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
+    step = (x, dt, A, B, C, D_arg, z_arg, dt_bias if dt_bias is not None else x, slots_arg, out, state,
+            state_scale if state_scale is not None else x, *ring)
+    flush = (x, A, C, D_arg, z_arg, slots_arg, out, checkpoint,
+             checkpoint_scale if checkpoint_scale is not None else x, read if has_read else x,
+             read_scale if read_scale is not None else x, *ring)
+    return step, flush
+
+
+def _decode_launches(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read, read_scale,
+    ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, *, checkpoint_format, read_format, seed,
+    step_block_p=None, step_warps=None, heads_per_program=None, step_stages=None,
+):
+    """``(CompiledLaunch, grid, args, constexprs)`` of :func:`launch_replay_decode`'s step and
+    flush kernels, in launch order."""
     batch, nheads, headdim = x.shape
     has_read = read is not None
-    state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
+    state = read if has_read else checkpoint
     plan = _plan(batch, nheads, headdim, B.shape[2], B.shape[1], ring_x.shape[2], x.device, state.element_size(),
                  checkpoint_format, read_format if has_read else None, D is not None, z is not None,
                  dt_bias is not None, slot_indices is not None, bool(dt_softplus), step_block_p, step_warps,
                  heads_per_program, step_stages)
-    dummy = x  # stands for absent optional pointers; never read (constexpr flags)
-    z_arg = z if z is not None else dummy
-    D_arg = D if D is not None else dummy
-    slots_arg = slot_indices if slot_indices is not None else dummy
+    step_leading, flush_leading = _decode_leading(
+        x, dt, A, B, C, D, z, dt_bias, slot_indices, out, codec.storage_view(checkpoint, checkpoint_format),
+        checkpoint_scale, codec.storage_view(read, read_format) if has_read else None, read_scale, ring_x, ring_dt,
+        ring_B, cursor, generation, flush_rows, flush_counters)
+    z_arg = z if z is not None else x
     x_strides, C_strides, z_strides, out_strides = x.stride(), C.stride(), z_arg.stride(), out.stride()
     B_strides = B.stride()
     num_slots = checkpoint.shape[0]
     step_args = (
-        x, dt, A, B, C, D_arg, z_arg, dt_bias if dt_bias is not None else dummy,
-        slots_arg, out, codec.storage_view(state, read_format if has_read else checkpoint_format),
-        state_scale if state_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
+        *step_leading,
         x_strides[0], x_strides[1], dt.stride(0), B_strides[0], B_strides[1], C_strides[0], C_strides[1],
         z_strides[0], z_strides[1], out_strides[0], out_strides[1],
     )
-    on_gpu = x.is_cuda
     if plan.grouped:
-        _launch_step_grouped(plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs, on_gpu)
+        step = (_launch_step_grouped, plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs)
     else:
-        _launch_step(plan.step_grid, (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1]),
-                     plan.step_constexprs, on_gpu)
-    _launch_flush(plan.flush_grid, (
-        x, A, C, D_arg, z_arg, slots_arg, out,
-        codec.storage_view(checkpoint, checkpoint_format), checkpoint_scale if checkpoint_scale is not None else dummy,
-        codec.storage_view(read, read_format) if has_read else dummy,
-        read_scale if read_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
+        step = (_launch_step, plan.step_grid,
+                (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1]), plan.step_constexprs)
+    flush = (_launch_flush, plan.flush_grid, (
+        *flush_leading, seed,
         x_strides[0], x_strides[1], C_strides[0], C_strides[1], z_strides[0], z_strides[1],
         out_strides[0], out_strides[1], batch, num_slots, headdim, B.shape[2],
-    ), plan.flush_constexprs, on_gpu)
+    ), plan.flush_constexprs)
+    return step, flush

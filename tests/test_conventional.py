@@ -544,30 +544,6 @@ def test_fake_impl_traces_without_running():
     assert out.shape == (2, 4, 8) and out.device.type == "meta"
 
 
-class _StandInKernel:
-    """Records what Triton would be asked for the conventional kernel: ``kernel[grid](*args,
-    **constexprs)`` ("bind") or the compiled kernel's launcher ``[grid](*all_args)`` ("compiled")."""
-
-    def __init__(self):
-        self.signature = inspect.signature(conventional._conventional_kernel.fn)
-        self.arg_names = list(self.signature.parameters)
-        self.log = []
-
-    def __getitem__(self, grid):
-        def bind(*args, **constexprs):
-            self.log.append(("bind", args, constexprs))
-            # The compiled kernel: its launcher, indexed by the three-dimensional grid.
-            return {(*grid, 1, 1)[:3]: lambda *all_args: self.log.append(("compiled", all_args))}
-
-        return bind
-
-
-def _stand_in_launch(monkeypatch):
-    kernel = _StandInKernel()
-    monkeypatch.setattr(conventional, "_launch", launch.CompiledLaunch(kernel, volatile=("seed",), stand_in=True))
-    return kernel
-
-
 def _eager_call_inputs(seed, nheads=6, headdim=8, dstate=32, ngroups=2):
     """A batch-2 call in the tied (mamba_ssm) form with every optional argument, bf16 x/z/out
     and an int8:row state: each view the launcher makes (storage view, compact dt and A, the
@@ -584,16 +560,16 @@ def _eager_call_inputs(seed, nheads=6, headdim=8, dstate=32, ngroups=2):
     )
 
 
-def test_an_eager_repeat_launches_what_the_full_path_would(monkeypatch):
+def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
     """Second call, same signature, other tensors: one compiled launch, no bind, with exactly
     the arguments the launcher computes for that call (tensors by address)."""
-    kernel = _stand_in_launch(monkeypatch)
+    log = stand_in_kernels(conventional)
     qstate.selective_state_update(**_eager_call_inputs(0))
     second = _eager_call_inputs(1)
     qstate.selective_state_update(**second)
-    assert [entry[0] for entry in kernel.log] == ["bind", "compiled"]
-    constexprs = kernel.log[0][2]
-    launched = kernel.log[1][1]
+    assert [entry[0] for entry in log] == ["bind", "compiled"]
+    constexprs = log[0][3]
+    launched = log[1][2]
     s, fmt = second, formats.StateFormat.parse("int8:row")
     grid, expected, expected_constexprs = conventional._kernel_call(
         codec.storage_view(s["state"], fmt), s["state_scale"], s["x"], s["dt"][..., 0], s["A"][:, 0, 0], s["B"],
@@ -601,21 +577,22 @@ def test_an_eager_repeat_launches_what_the_full_path_would(monkeypatch):
         dtype_code=codec.dtype_code(fmt), granularity=codec.granularity_code(fmt), stochastic=False,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=3)
     assert expected_constexprs == constexprs
-    assert len(launched) == len(kernel.arg_names)
+    parameters = inspect.signature(conventional._conventional_kernel.fn).parameters
+    assert len(launched) == len(parameters)
     for got, want in zip(launched, expected):
         if isinstance(want, torch.Tensor):
             assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
         else:
             assert got == want
     trailing = launched[len(expected):]
-    names = kernel.arg_names[len(expected):]
-    assert trailing == tuple(constexprs.get(name, kernel.signature.parameters[name].default) for name in names)
+    names = list(parameters)[len(expected):]
+    assert trailing == tuple(constexprs.get(name, parameters[name].default) for name in names)
 
 
-def test_an_eager_repeat_takes_the_full_path_where_it_must(monkeypatch):
+def test_an_eager_repeat_takes_the_full_path_where_it_must(stand_in_kernels):
     """A strided A is copied for the launch (never prepared); a tensor at another 16-byte
     alignment and a tensor seed are other kernels (bind again)."""
-    kernel = _stand_in_launch(monkeypatch)
+    log = stand_in_kernels(conventional)
 
     def call(inputs_seed, **overrides):
         """How the call launched: "bind", "compiled" (CompiledLaunch's table: the launcher's
@@ -623,7 +600,7 @@ def test_an_eager_repeat_takes_the_full_path_where_it_must(monkeypatch):
         args = _eager_call_inputs(inputs_seed)
         args.update(overrides)
         qstate.selective_state_update(**args)
-        kind, launched = kernel.log[-1][:2]
+        kind, _, launched = log[-1][:3]
         return "prepared" if kind == "compiled" and launched[11].dtype == torch.bfloat16 else kind
 
     strided_A = lambda: (-torch.rand(12))[::2]  # noqa: E731

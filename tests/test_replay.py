@@ -21,6 +21,7 @@ and ``κ_y = κ_fold + dstate + 6`` (the dot with C over dstate, D·x and the ga
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -679,3 +680,82 @@ def test_torch_compile_through_the_custom_op():
     for name, tensor in caches[0].tensors().items():
         if tensor is not None:
             assert torch.equal(caches[1].tensors()[name], tensor), name
+
+
+# ---------------------------------------------------------------------------- prepared eager launches
+
+
+def _eager_decode_call(seed, batch, num_slots):
+    """One step's arguments with every optional one (bf16 ring inputs, slot indices with a
+    padding row, an fp8 read copy, so the launcher passes storage views of the cache)."""
+    inp = make_inputs(1, batch, 4, 8, 32, 2, seed=seed, dtype=torch.bfloat16)
+    args = step_args(inp, 0)
+    slots = torch.arange(batch) % num_slots
+    slots[1] = -1
+    args.update(slot_indices=slots, out=torch.empty(batch, 4, 8, dtype=torch.bfloat16), dt_softplus=True)
+    return args
+
+
+def _eager_cache(num_slots):
+    return ReplayCache.allocate(num_slots, 4, 8, 32, 2, ring_len=4, read="fp8_e4m3:row", input_dtype=torch.bfloat16)
+
+
+def _launched_as(entry):
+    """How a logged launch was made: "bind", "compiled" (CompiledLaunch's table: the launcher's
+    uint8 view of the fp8 read copy) or "prepared" (the cache's fp8 tensor itself)."""
+    kind, name, args = entry[:3]
+    read = args[10] if name.startswith("_replay_step") else args[9]
+    return "prepared" if kind == "compiled" and read.dtype == torch.float8_e4m3fn else kind
+
+
+@pytest.mark.parametrize("batch", [2, 64])
+def test_an_eager_decode_repeat_launches_what_the_full_path_would(stand_in_kernels, batch):
+    """Second call of a signature, other inputs and another cache of the same layout: the step
+    and flush kernels' compiled launchers, no bind, with exactly the arguments the launcher
+    computes for that call (tensors by address)."""
+    log = stand_in_kernels(replay_kernels)
+    caches = [_eager_cache(batch + 1) for _ in range(2)]
+    replay_decode(caches[0], **_eager_decode_call(0, batch, batch + 1))
+    second = _eager_decode_call(1, batch, batch + 1)
+    replay_decode(caches[1], **second)
+    step = "_replay_step_grouped_kernel" if replay_kernels.default_heads_per_program(batch) else "_replay_step_kernel"
+    assert [(_launched_as(entry), entry[1]) for entry in log] == [
+        ("bind", step), ("bind", "_replay_flush_kernel"), ("prepared", step), ("prepared", "_replay_flush_kernel")]
+    c, s = caches[1], second
+    expected = replay_kernels._decode_launches(
+        s["x"], s["dt"], s["A"], s["B"], s["C"], s["D"], s["z"], s["dt_bias"], True, s["slot_indices"], s["out"],
+        c.checkpoint, c.checkpoint_scale, c.read, c.read_scale, c.ring_x, c.ring_dt, c.ring_B, c.cursor,
+        c.generation, c.flush_rows, c.flush_counters, checkpoint_format=c.checkpoint_format,
+        read_format=c.read_format, seed=c.seed)
+    for bound, launched, (launch, _, args, constexprs) in zip(log[:2], log[2:], expected):
+        assert bound[3] == constexprs
+        for got, want in zip(launched[2], args):
+            if isinstance(want, torch.Tensor):
+                assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
+            else:
+                assert got == want
+        parameters = launch.kernel.signature.parameters
+        trailing = tuple(constexprs.get(name, parameters[name].default) for name in list(parameters)[len(args):])
+        assert launched[2][len(args):] == trailing
+
+
+def test_an_eager_decode_repeat_takes_the_full_path_where_it_must(stand_in_kernels):
+    """A strided dt is copied for the launch (never prepared); a checkpoint at another 16-byte
+    alignment, which only the flush kernel reads, is another flush kernel: the step kernel then
+    launches once, from CompiledLaunch's table, not twice."""
+    log = stand_in_kernels(replay_kernels)
+
+    def call(seed, cache=None, **overrides):
+        args = {**_eager_decode_call(seed, 2, 3), **overrides}
+        start = len(log)
+        replay_decode(cache or _eager_cache(3), **args)
+        return [_launched_as(entry) for entry in log[start:]]
+
+    strided_dt = lambda: torch.randn(2, 8)[:, ::2]  # noqa: E731
+    assert call(0, dt=strided_dt()) == ["bind", "bind"]
+    assert call(1, dt=strided_dt()) == ["compiled", "compiled"]
+    assert call(2) == ["compiled", "compiled"]
+    assert call(3) == ["prepared", "prepared"]
+    cache = _eager_cache(3)
+    shifted = torch.empty(cache.checkpoint.numel() + 1)[1:].view(cache.checkpoint.shape)  # 4 bytes off
+    assert call(4, cache=dataclasses.replace(cache, checkpoint=shifted)) == ["compiled", "bind"]

@@ -16,8 +16,9 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
+from ..kernels import replay as _kernel
 from . import _common, _signature
-from ._register import mutating_op
+from ._register import eager, mutating_op
 
 __all__ = ["replay_decode"]
 
@@ -34,15 +35,19 @@ def _replay_decode_impl(
     cursor: torch.Tensor, generation: torch.Tensor, flush_rows: torch.Tensor, flush_counters: torch.Tensor,
     checkpoint_format: str, read_format: Optional[str], seed: int,
 ) -> None:
-    from ..kernels.replay import launch_replay_decode
+    args, kwargs = _launch_arguments(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read,
+        read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, checkpoint_format,
+        read_format, seed)
+    _kernel.launch_replay_decode(*args, **kwargs)
 
-    launch_replay_decode(
-        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
-        checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
-        flush_rows, flush_counters,
-        checkpoint_format=_common.format_constants(checkpoint_format).fmt,
-        read_format=None if read_format is None else _common.format_constants(read_format).fmt, seed=seed,
-    )
+
+def _launch_arguments(*op_args):
+    """``(args, kwargs)`` of the kernel launcher for the op's arguments."""
+    *args, checkpoint_format, read_format, seed = op_args
+    return args, dict(checkpoint_format=_common.format_constants(checkpoint_format).fmt,
+                      read_format=None if read_format is None else _common.format_constants(read_format).fmt,
+                      seed=seed)
 
 
 _replay_decode_op = mutating_op("qstate::replay_decode", _replay_decode_impl, _MUTATED)
@@ -127,16 +132,16 @@ def _check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_
 
 
 def _checked_ring_call(accepted: _signature.AcceptedSignatures, check, cache, x, dt, A, B, C, D, z, dt_bias,
-                       dt_softplus, slot_indices, out) -> torch.Tensor:
+                       dt_softplus, slot_indices, out):
     """What a decode or verify call does before its launch: ``check`` (the call's metadata
     checks, same arguments) once per signature, the slot values every call; returns ``out``
-    (allocated like x when None)."""
+    (allocated like x when None) and the signature."""
     signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
                  *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
     accepted.check_once(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
     if slot_indices is not None:
         _check_slot_values(slot_indices, cache)
-    return out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return (out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)), signature
 
 
 def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
@@ -211,15 +216,27 @@ def replay_decode(
     read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
     ``y (batch, nheads, headdim)`` (``out`` if given).
     """
-    out = _checked_ring_call(_ACCEPTED, _check_decode_args, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                             slot_indices, out)
+    out, signature = _checked_ring_call(_ACCEPTED, _check_decode_args, cache, x, dt, A, B, C, D, z, dt_bias,
+                                        dt_softplus, slot_indices, out)
     if x.shape[0] == 0:
         return out
-    dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
-    _replay_decode_op(
-        x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
-        cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
-        cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters,
-        str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format), cache.seed,
-    )
+    state = (cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
+             cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters)
+    formats = (str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format))
+    # The call's signature, the cache's tensors' metadata, its formats and seed fix every
+    # argument of the two launches but the tensors' addresses: an eager repeat on a GPU launches
+    # directly (kernels/launch.py, PreparedLaunch).
+    run_eagerly = eager(x)
+    if run_eagerly:
+        key = (signature, *map(_signature.tensor_meta, state), *formats, cache.seed)
+        tensors = (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, *state)
+        if _kernel.launch_decode_prepared(key, *tensors):
+            return out
+    compact_dt, compact_A, compact_D, compact_dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
+    args = (x, compact_dt, compact_A, B, C, compact_D, z, compact_dt_bias, dt_softplus, slot_indices, out, *state,
+            *formats, cache.seed)
+    _replay_decode_op(*args)
+    if run_eagerly and not _kernel.knows_decode(key):
+        launch_args, launch_kwargs = _launch_arguments(*args)
+        _kernel.prepare_decode(key, tensors, *launch_args, **launch_kwargs)
     return out

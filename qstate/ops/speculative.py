@@ -203,8 +203,8 @@ def replay_verify(
     verify must be followed by a :func:`replay_commit` of the same slots (a second verify
     replaces the pending drafts). Returns ``out``.
     """
-    out = _checked_ring_call(_VERIFY_ACCEPTED, _check_verify_args, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                             slot_indices, out)
+    out, _ = _checked_ring_call(_VERIFY_ACCEPTED, _check_verify_args, cache, x, dt, A, B, C, D, z, dt_bias,
+                                dt_softplus, slot_indices, out)
     if x.shape[0] == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
