@@ -116,15 +116,19 @@ def graph_matches_eager(name: str, make_buffers: Callable[[], Any], steps: Calla
     ``tensors(buffers)`` other than the same steps run eagerly with PDL off, bit for bit: a
     kernel that touched memory before its grid-dependency wait would race with the kernel
     before it. ``make_buffers`` must give equal buffers on every call."""
-    from qstate.kernels import pdl
+    from qstate.kernels import clear_launch_plans, pdl
 
     enabled = pdl.enabled
     eager = make_buffers()
+    # Launch plans (and prepared launches) keep the PDL choice of the call that made them, so
+    # each side starts from none: the eager steps must not reuse PDL plans, nor the graph theirs.
     pdl.enabled = lambda device: False
+    clear_launch_plans()
     try:
         steps(eager)
     finally:
         pdl.enabled = enabled
+        clear_launch_plans()
     steps(make_buffers())  # compiles the PDL kernels outside the capture
     torch.cuda.synchronize()
     captured = make_buffers()
