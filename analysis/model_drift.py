@@ -202,8 +202,9 @@ def hf_model_report(path: Union[str, os.PathLike], schemes=DEFAULT_HF_SCHEMES, n
     fp32 (the Triton interpreter runs fp32), elsewhere in its saved dtype. Writes
     ``model_drift.md``, ``model_drift.json`` and ``model_drift.png`` into ``out``.
     """
-    import transformers
+    from qstate.integrations.hf_import import import_transformers
 
+    transformers = import_transformers()
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"hf-model: expected a folder with config.json (local weights), got {path!r}")

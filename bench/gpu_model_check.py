@@ -33,8 +33,9 @@ SCHEMES = ["fp32", "replay/fp32/16", "fp8_e4m3:row", "replay/fp32/fp8_e4m3:row/1
 
 
 def build(kind: str, dtype: torch.dtype, device: str):
-    import transformers
+    from qstate.integrations.hf_import import import_transformers
 
+    transformers = import_transformers()
     torch.manual_seed(0)
     if kind == "mamba2":  # Mamba2-2.7B heads: 80 × 64 × 128, 1 group (here 16 heads)
         config = transformers.Mamba2Config(
@@ -68,12 +69,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/gpu_model_check.json")
     args = parser.parse_args()
 
-    import transformers
-
     from qstate.analysis import model_drift
+    from qstate.integrations.hf_import import import_transformers
     from qstate.integrations.transformers import patch
 
-    transformers.logging.set_verbosity_error()
+    import_transformers().logging.set_verbosity_error()
     device = "cuda"
     rows, drifts = [], {}
     for kind in ("mamba2", "nemotron_h"):

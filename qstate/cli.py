@@ -75,7 +75,9 @@ def _model_args(parser: argparse.ArgumentParser):
 def _check_prompt(path: str, prompt: str) -> None:
     # hf_model_report encodes the prompt only after loading the model, and a prompt of no tokens
     # then fails inside the model's forward pass.
-    import transformers
+    from .integrations.hf_import import import_transformers
+
+    transformers = import_transformers()
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -7,7 +7,11 @@ Mamba2-2.7B, Nemotron-H with two groups and attention and MLP layers between the
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from qstate.integrations.hf_import import import_transformers
+
+pytest.importorskip("transformers")
+# A checkout's kernels/ would shadow the kernels package transformers >= 5.25 imports.
+transformers = import_transformers()
 transformers.logging.set_verbosity_error()
 
 VOCAB = 128

@@ -11,6 +11,7 @@ differences instead of piling them up. The logits then go through a few matmuls 
 stays near 1e-6; we allow 1e-5 (a bf16 state, u = 2⁻⁹, would sit near 1e-3).
 """
 
+import re
 import sys
 
 import pytest
@@ -181,6 +182,19 @@ def test_bad_scheme_is_rejected_and_the_model_untouched(mamba2, scheme):
     functions = _module_functions(mamba2)
     with pytest.raises((ValueError, TypeError), match="scheme|ring_len"):
         qt.patch(mamba2, scheme)
+    _assert_unpatched(mamba2, functions)
+
+
+@pytest.mark.parametrize("version", ["5.25.0", "6.1.0.dev0", "4.57.1"])
+def test_an_unchecked_transformers_release_is_rejected_and_the_model_untouched(mamba2, monkeypatch, version):
+    """5.25 steps a clone of the cache's state: every token would look like an outside write and
+    a replay scheme would run as a conventional one, so releases outside the checked range fail."""
+    functions = _module_functions(mamba2)
+    monkeypatch.setattr(qt, "_transformers_version", lambda: version)
+    with pytest.raises(ValueError, match=r"model: expected a model of transformers >= 5\.0, < 5\.25 .*got "
+                                         rf"transformers {re.escape(version)}"):
+        qt.patch(mamba2, "replay/fp32/16")
+    monkeypatch.undo()
     _assert_unpatched(mamba2, functions)
 
 

@@ -23,15 +23,18 @@ state it stores in its cache. :func:`patch`
 Prefill stays as transformers does it. Restoring removes both, exactly. Only the mixer classes
 whose decode call was read and checked are recognised: :data:`SUPPORTED_MIXERS`.
 
-Needs transformers >= 5.0 (the ``hf`` extra) only to build the model; this module imports no
-third-party library.
+Needs transformers >= 5.0, < 5.25 (the ``hf`` extra; :data:`SUPPORTED_TRANSFORMERS`) only to
+build the model; this module imports no third-party library. Models of other releases are
+refused: 5.25 steps a copy of the cache's state, which the routes do not follow.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import importlib.metadata
 import inspect
+import re
 import sys
 from typing import Callable, Optional
 
@@ -44,6 +47,10 @@ __all__ = ["SUPPORTED_MIXERS", "Patch", "patch", "attach_routes", "find_mixers",
 SUPPORTED_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
 STEP_FUNCTION = "mamba2_selective_state_update"
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # by transformers version and model
+# The releases whose decode call was read and checked. 5.25 steps a clone of the cache's state and
+# stores the clone back, so a route would take every token for an outside write and rebuild its
+# storage: a replay scheme would run as a conventional one under its own name.
+SUPPORTED_TRANSFORMERS = ((5, 0), (5, 25))  # from, up to but not including
 
 _ACTIVE_ROUTE: contextvars.ContextVar = contextvars.ContextVar("qstate_active_route", default=None)
 _INSTALLED: dict[str, list] = {}  # modeling module name -> [original function, number of patches using it]
@@ -61,7 +68,25 @@ def find_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         raise ValueError(
             f"model: expected a transformers Mamba2ForCausalLM or NemotronHForCausalLM with Mamba-2 mixers "
             f"({', '.join(SUPPORTED_MIXERS)}), found none in {type(model).__name__}")
+    _check_transformers_version(type(found[0][1]).__module__)
     return found
+
+
+def _transformers_version() -> str:
+    return importlib.metadata.version("transformers")
+
+
+def _check_transformers_version(module_name: str) -> None:
+    if module_name.split(".")[0] != "transformers":
+        return
+    version = _transformers_version()
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= release < high:
+        raise ValueError(
+            f"model: expected a model of transformers >= {low[0]}.{low[1]}, < {high[0]}.{high[1]} (the releases "
+            f"whose Mamba-2 decode qstate was checked against), got transformers {version}; "
+            f"pip install \"transformers<{high[0]}.{high[1]}\"")
 
 
 def _dispatcher(original: Callable) -> Callable:
