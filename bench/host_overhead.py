@@ -16,7 +16,6 @@ host the Triton launches add to these (bench/README.md, "Eager overhead").
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import sys
@@ -29,30 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import qstate  # noqa: E402
 from qstate import profiles  # noqa: E402
 from qstate.kernels import conventional, replay, speculative  # noqa: E402
-from qstate.kernels.launch import replace_kernel  # noqa: E402
+from qstate.kernels.launch import StandInKernel, replace_kernel  # noqa: E402
 
 _KERNELS = {conventional: ["_conventional_kernel"],
             replay: ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"],
             speculative: ["_group_BC_kernel", "_verify_kernel", "_verify_flush_kernel", "_verify_flushed_rows_kernel",
                           "_commit_kernel"]}
-
-
-class _NoLaunch:
-    """A kernel that launches nothing, standing in as a compiled GPU kernel would: the first call
-    of a signature binds (``kernel[grid](*args, **constexprs)``), later ones take the compiled
-    kernel's launcher."""
-
-    def __init__(self, kernel):
-        self.signature = inspect.signature(getattr(kernel, "fn", kernel))
-        self.arg_names = list(self.signature.parameters)
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: _Compiled()
-
-
-class _Compiled:
-    def __getitem__(self, grid):
-        return lambda *args: None
 
 
 def _us(fn, calls: int) -> float:
@@ -73,7 +54,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for module, names in _KERNELS.items():
         for name in names:
-            replace_kernel(module, name, _NoLaunch(getattr(module, name)), stand_in=True)
+            replace_kernel(module, name, StandInKernel(getattr(module, name)), stand_in=True)
     torch.set_num_threads(1)
     prof = profiles.get("nemotron-h-8b")
     H, P, N, G = prof.nheads, prof.headdim, prof.dstate, prof.ngroups

@@ -22,7 +22,8 @@ and a repeat call only puts its tensors in front (kernels/README.md, "launch.py"
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+import inspect
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -175,8 +176,35 @@ class PreparedLaunch:
     def __call__(self, *leading) -> bool:
         if not self.fits(*leading):
             return False
-        self._launcher(*leading, *self._bound)
+        self.launch(*leading)
         return True
+
+
+class StandInKernel:
+    """A kernel that launches nothing, called as :class:`CompiledLaunch` calls a compiled GPU
+    kernel: ``stand_in[grid](*args, **constexprs)`` binds and returns the compiled kernel, whose
+    ``[grid]`` (three dimensions) is its launcher. ``record``, if given, receives
+    ``("bind", name, args, constexprs)`` and ``("compiled", name, all_args)``. For tools that time
+    or inspect launches without a GPU (``bench/host_overhead.py``, the tests), installed with
+    ``stand_in=True``."""
+
+    def __init__(self, kernel, record: Optional[Callable[[tuple], None]] = None):
+        fn = getattr(kernel, "fn", kernel)
+        self.name = fn.__name__
+        self.signature = inspect.signature(fn)
+        self.arg_names = list(self.signature.parameters)
+        self._record = record
+
+    def __getitem__(self, grid):
+        def bind(*args, **constexprs):
+            if self._record is None:
+                launcher = lambda *all_args: None  # noqa: E731
+            else:
+                self._record(("bind", self.name, args, constexprs))
+                launcher = lambda *all_args: self._record(("compiled", self.name, all_args))  # noqa: E731
+            return {(*grid, 1, 1)[:3]: launcher}
+
+        return bind
 
 
 def replace_kernel(module, name: str, replacement, stand_in: bool = False) -> None:
@@ -184,7 +212,7 @@ def replace_kernel(module, name: str, replacement, stand_in: bool = False) -> No
     :class:`CompiledLaunch` objects that wrap it: for tools that record or stub launches
     (``bench.sass_count``, ``bench/host_overhead.py``). ``stand_in``: launch it as a compiled GPU
     kernel whatever the tensors' device (``replacement[grid](*args, **constexprs)`` must then
-    return an object whose ``[grid]`` is the launcher)."""
+    return an object whose ``[grid]`` is the launcher, as :class:`StandInKernel` does)."""
     original = getattr(module, name)
     setattr(module, name, replacement)
     for value in vars(module).values():

@@ -39,41 +39,19 @@ def fresh_launch_plans():
     clear_launch_plans()
 
 
-class _StandInKernel:
-    """Stands in for a Triton kernel as a compiled GPU kernel would be launched, recording into a
-    shared log: ``kernel[grid](*args, **constexprs)`` as ``("bind", name, args, constexprs)``,
-    the compiled kernel's launcher ``[grid](*all_args)`` as ``("compiled", name, all_args)``."""
-
-    def __init__(self, kernel, log):
-        import inspect
-
-        self.name = kernel.fn.__name__
-        self.signature = inspect.signature(kernel.fn)
-        self.arg_names = list(self.signature.parameters)
-        self.log = log
-
-    def __getitem__(self, grid):
-        def bind(*args, **constexprs):
-            self.log.append(("bind", self.name, args, constexprs))
-            # The compiled kernel: its launcher, indexed by the three-dimensional grid.
-            return {(*grid, 1, 1)[:3]: lambda *all_args: self.log.append(("compiled", self.name, all_args))}
-
-        return bind
-
-
 @pytest.fixture
 def stand_in_kernels(monkeypatch):
     """``install(module)``: every ``CompiledLaunch`` of a kernels module launches a recording
     stand-in for its kernel, as on a GPU (compiled launchers, prepared launches), whatever the
     tensors' device; returns the shared log. Restored after the test."""
-    from qstate.kernels.launch import CompiledLaunch
+    from qstate.kernels.launch import CompiledLaunch, StandInKernel
 
     log = []
 
     def install(module):
         for name, value in list(vars(module).items()):
             if isinstance(value, CompiledLaunch):
-                stand_in = CompiledLaunch(_StandInKernel(value.kernel, log), value.volatile, stand_in=True)
+                stand_in = CompiledLaunch(StandInKernel(value.kernel, log.append), value.volatile, stand_in=True)
                 monkeypatch.setattr(module, name, stand_in)
         return log
 
