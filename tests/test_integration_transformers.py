@@ -19,7 +19,8 @@ import torch
 
 import hf_tiny
 from qstate.integrations import transformers as qt
-from qstate.integrations.decode_routes import DecodeStep
+from qstate.formats import StateFormat
+from qstate.integrations.decode_routes import ConventionalRoute, DecodeStep, ReplayRoute
 
 NEW_TOKENS = 64
 FP32_BOUND = 1e-5
@@ -116,28 +117,53 @@ def test_replay_keeps_its_ring_under_inference_mode(mamba2):
     assert torch.equal(logits, logits_im)
 
 
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_a_route_resyncs_after_an_outside_write_only(mode):
-    """The route's own steps do not rebuild its storage; a write to the state from outside does,
-    with version counters (no_grad) and without them (inference_mode)."""
-    from qstate.integrations.decode_routes import ConventionalRoute
-    from qstate.formats import StateFormat
+_ROUTES = {
+    "conventional bf16": lambda: ConventionalRoute("layer", StateFormat.parse("bf16")),
+    "conventional fp32 (in place)": lambda: ConventionalRoute("layer", StateFormat.parse("fp32")),
+    "replay fp32, ring 4": lambda: ReplayRoute("layer", StateFormat.parse("fp32"), None, ring_len=4),
+}
 
-    route = ConventionalRoute("layer", StateFormat.parse("bf16"))
+
+def _drive_route(make_route, mode, clone):
+    """Five steps of one route, with an outside write (a halving) before the fourth. ``clone``
+    steps a fresh clone and copies it back, as transformers >= 5.25 does. Returns the steps at
+    which the route rebuilt its storage, and the final state."""
+    route = make_route()
     syncs = []
     real_sync = route.sync
     route.sync = lambda state, step: (syncs.append(route.steps), real_sync(state, step))
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(1, 4, 16, generator=g), torch.rand(1, 4, generator=g), -torch.rand(4, generator=g),
             torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g))
+
+    def step(state):
+        stepped = state.clone() if clone else state
+        route(None, stepped, *args, dt_softplus=True)
+        if clone:
+            state.copy_(stepped)
+
     with mode():
         state = torch.randn(1, 4, 16, 8, generator=g)
         for _ in range(3):
-            route(None, state, *args, dt_softplus=True)
+            step(state)
         state.mul_(0.5)
-        route(None, state, *args, dt_softplus=True)
-        route(None, state, *args, dt_softplus=True)
+        step(state)
+        step(state)
+    return syncs, state
+
+
+@pytest.mark.parametrize("route", list(_ROUTES))
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_route_resyncs_after_an_outside_write_only(route, mode):
+    """The route's own steps do not rebuild its storage; a write to the state from outside does,
+    with version counters (no_grad) and without them (inference_mode), whether the caller steps
+    its own tensor or a fresh clone each step. A followed clone steps exactly as the tensor would
+    (an in-place route that kept stepping the previous clone would leave the state behind)."""
+    syncs, state = _drive_route(_ROUTES[route], mode, clone=False)
+    syncs_cloned, state_cloned = _drive_route(_ROUTES[route], mode, clone=True)
     assert syncs == [0, 3]
+    assert syncs_cloned == [0, 3]
+    assert torch.equal(state_cloned, state)
 
 
 def test_restore_is_exact_and_the_model_decodes_as_before(mamba2):
@@ -185,13 +211,13 @@ def test_bad_scheme_is_rejected_and_the_model_untouched(mamba2, scheme):
     _assert_unpatched(mamba2, functions)
 
 
-@pytest.mark.parametrize("version", ["5.25.0", "6.1.0.dev0", "4.57.1"])
+@pytest.mark.parametrize("version", ["5.26.0", "6.1.0.dev0", "4.57.1"])
 def test_an_unchecked_transformers_release_is_rejected_and_the_model_untouched(mamba2, monkeypatch, version):
-    """5.25 steps a clone of the cache's state: every token would look like an outside write and
-    a replay scheme would run as a conventional one, so releases outside the checked range fail."""
+    """A release whose decode call was not read may step the state in a way the routes do not
+    follow (5.25 began stepping a clone), so releases outside the checked range fail."""
     functions = _module_functions(mamba2)
     monkeypatch.setattr(qt, "_transformers_version", lambda: version)
-    with pytest.raises(ValueError, match=r"model: expected a model of transformers >= 5\.0, < 5\.25 .*got "
+    with pytest.raises(ValueError, match=r"model: expected a model of transformers >= 5\.0, < 5\.26 .*got "
                                          rf"transformers {re.escape(version)}"):
         qt.patch(mamba2, "replay/fp32/16")
     monkeypatch.undo()

@@ -9,8 +9,9 @@ with its cache (a further prefill chunk, beam reordering, cropping) sees qstate'
 write costs one fp32 state write per step: the patch measures numerics, it does not save memory.
 
 A route re-reads transformers' tensor (``sync``) whenever it may have changed behind its back:
-the first step after a prefill, a different tensor object, or an in-place change (the tensor's
-version counter moved since the route's own write).
+the first step after a prefill, or a state that no longer holds the route's own last write. A
+new tensor object holding exactly that write is followed, not re-read: transformers >= 5.25
+steps a clone of its cache's state and copies it back, so every step brings a new object.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def check_kernels_can_run(device: torch.device) -> None:
             "start Python with TRITON_INTERPRET=1 set (before importing qstate), or move the model to a GPU")
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, so that a NaN the route wrote still counts as its own."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.dtype.is_floating_point and a.element_size() in (2, 4, 8):
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a, b)
+
+
 def _version(t: torch.Tensor) -> Optional[int]:
     """The tensor's in-place version counter; None where torch keeps none (inference mode)."""
     try:
@@ -89,9 +100,11 @@ class LayerRoute:
     transformers' ``state`` equal to what the storage holds).
 
     A write to ``state`` from outside (a prefill, a beam reorder, a reset) makes the next step
-    rebuild the storage from it. The route tells such writes from its own by the tensor's
-    version counter; under ``torch.inference_mode`` torch keeps none, so the route keeps a copy
-    of the state it last wrote and compares (one more state per layer, read twice a step).
+    rebuild the storage from it. The route keeps a copy of the state it last wrote (one more
+    state per layer). The tensor it wrote, with its version counter unmoved, is its own; any
+    other tensor, or one without a version counter (``torch.inference_mode`` keeps none), is
+    compared with that copy bit for bit: equal, the route follows it (``follow``, for a route
+    whose storage is transformers' tensor itself); different, it syncs.
     """
 
     def __init__(self, name: str):
@@ -100,7 +113,7 @@ class LayerRoute:
         self._stale = True
         self._bound: Optional[weakref.ref] = None
         self._bound_version: Optional[int] = None
-        self._bound_copy: Optional[torch.Tensor] = None
+        self._written: Optional[torch.Tensor] = None
         self._stepped = False
 
     # the patched mixer forward brackets every call of the layer with these two
@@ -112,13 +125,13 @@ class LayerRoute:
             # the chunked scan ran (a prefill) or no cache was given: transformers' state is the truth
             self._stale = True
 
-    def _needs_sync(self, state: torch.Tensor) -> bool:
-        if self._stale or self._bound is None or self._bound() is not state:
-            return True
+    def _holds_own_write(self, state: torch.Tensor) -> bool:
+        if self._stale or self._written is None:
+            return False
         version = _version(state)
-        if version is None:
-            return self._bound_copy is None or not torch.equal(state, self._bound_copy)
-        return version != self._bound_version
+        if self._bound() is state and version is not None:
+            return version == self._bound_version
+        return _same_bits(state, self._written)
 
     def __call__(self, original: Callable, state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                  dt_softplus=False, z=None, **kwargs):
@@ -128,19 +141,25 @@ class LayerRoute:
                 f"cache: layer {self.name}'s recurrent state is on {state.device} but its inputs are on "
                 f"{hidden_states.device}; keep the model and its cache on one device")
         step = DecodeStep.from_transformers(hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z)
-        if self._needs_sync(state):
+        if not self._holds_own_write(state):
             check_kernels_can_run(state.device)
             self.sync(state, step)
+        elif self._bound() is not state:
+            self.follow(state, step)
         y = self.decode(state, step)
         self.steps += 1
         self._stale = False
         self._bound = weakref.ref(state)
         self._bound_version = _version(state)
-        self._bound_copy = state.clone() if self._bound_version is None else None
+        self._written = state.clone()
         return y.to(hidden_states.dtype)
 
     def sync(self, state: torch.Tensor, step: DecodeStep) -> None:
         raise NotImplementedError
+
+    def follow(self, state: torch.Tensor, step: DecodeStep) -> None:
+        """``state`` is a new tensor holding exactly the route's last write; by default the
+        storage is the route's own and needs nothing."""
 
     def decode(self, state: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         raise NotImplementedError
@@ -164,8 +183,11 @@ class ConventionalRoute(LayerRoute):
         self.scale: Optional[torch.Tensor] = None
         self._in_place = False
 
+    def _can_step_in_place(self, state) -> bool:
+        return self.fmt.dtype == "fp32" and state.dtype == torch.float32 and state.is_contiguous()
+
     def sync(self, state, step):
-        self._in_place = self.fmt.dtype == "fp32" and state.dtype == torch.float32 and state.is_contiguous()
+        self._in_place = self._can_step_in_place(state)
         if self._in_place:
             self.codes, self.scale = state, None
             return
@@ -173,6 +195,15 @@ class ConventionalRoute(LayerRoute):
         stored = quantize(state, self.fmt, generator=generator if self.fmt.stochastic else None)
         self.codes = stored.data.contiguous()
         self.scale = None if stored.scale is None else stored.scale.contiguous()
+
+    def follow(self, state, step):
+        if not self._in_place:
+            return
+        # the storage is transformers' tensor itself: step the copy it now holds
+        if self._can_step_in_place(state):
+            self.codes = state
+        else:
+            self.sync(state, step)
 
     def decode(self, state, step):
         y = self._op(

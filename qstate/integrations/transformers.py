@@ -23,9 +23,10 @@ state it stores in its cache. :func:`patch`
 Prefill stays as transformers does it. Restoring removes both, exactly. Only the mixer classes
 whose decode call was read and checked are recognised: :data:`SUPPORTED_MIXERS`.
 
-Needs transformers >= 5.0, < 5.25 (the ``hf`` extra; :data:`SUPPORTED_TRANSFORMERS`) only to
+Needs transformers >= 5.0, < 5.26 (the ``hf`` extra; :data:`SUPPORTED_TRANSFORMERS`) only to
 build the model; this module imports no third-party library. Models of other releases are
-refused: 5.25 steps a copy of the cache's state, which the routes do not follow.
+refused: a release may change how it steps the state (5.25 began stepping a copy of the
+cache's state, which the routes follow; :mod:`.decode_routes`).
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ __all__ = ["SUPPORTED_MIXERS", "Patch", "patch", "attach_routes", "find_mixers",
 SUPPORTED_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
 STEP_FUNCTION = "mamba2_selective_state_update"
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # by transformers version and model
-# The releases whose decode call was read and checked. 5.25 steps a clone of the cache's state and
-# stores the clone back, so a route would take every token for an outside write and rebuild its
-# storage: a replay scheme would run as a conventional one under its own name.
-SUPPORTED_TRANSFORMERS = ((5, 0), (5, 25))  # from, up to but not including
+# The releases whose decode call was read and checked (5.0-5.24 step the cache's tensor, 5.25 a
+# clone it copies back). One the routes did not follow would look like an outside write at every
+# token: a replay scheme would run as a conventional one under its own name.
+SUPPORTED_TRANSFORMERS = ((5, 0), (5, 26))  # from, up to but not including
 
 _ACTIVE_ROUTE: contextvars.ContextVar = contextvars.ContextVar("qstate_active_route", default=None)
 _INSTALLED: dict[str, list] = {}  # modeling module name -> [original function, number of patches using it]
