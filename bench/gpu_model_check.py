@@ -3,8 +3,9 @@
 Builds random-initialised Mamba2 and Nemotron-H models with published head shapes (DESIGN.md
 §6, fewer layers and a small vocabulary; no downloads), in fp32 and bf16, on the GPU. For each,
 greedy ``generate()`` unpatched and patched with each scheme; reports whether qstate ran every
-decode step of every layer, token agreement with the unpatched run, the largest relative logit
-difference, and wall time (eager, not a benchmark). For the fp32 models it also runs the
+decode step of every layer, whether each replay cache flushed and holds the ring it should
+after them, token agreement with the unpatched run, the largest relative logit difference,
+and wall time (eager, not a benchmark). For the fp32 models it also runs the
 teacher-forced :func:`qstate.analysis.model_drift`. Writes ``bench/results/gpu_model_check.json``.
 
 Run on a GPU machine from the repository root (with transformers >= 5.0)::
@@ -73,7 +74,8 @@ def main() -> None:
     from qstate.integrations.hf_import import import_transformers
     from qstate.integrations.transformers import patch
 
-    import_transformers().logging.set_verbosity_error()
+    transformers = import_transformers()
+    transformers.logging.set_verbosity_error()
     device = "cuda"
     rows, drifts = [], {}
     for kind in ("mamba2", "nemotron_h"):
@@ -86,13 +88,21 @@ def main() -> None:
                 with patch(model, scheme) as patched:
                     got, wall = generate(model, ids, args.tokens)
                     steps = sorted(set(patched.steps.values()))
-                    devices = sorted({str(c.device) for c in patched.caches.values() if c is not None})
+                    caches = [c for c in patched.caches.values() if c is not None]
+                    devices = sorted({str(c.device) for c in caches})
+                    flushes = sorted({int(g) for c in caches for g in c.generation.tolist()})
+                    cursors = sorted({int(k) for c in caches for k in c.cursor.tolist()})
+                    ring_len = patched.scheme.ring_len if patched.scheme.is_replay else None
                 logits = torch.stack(got.logits).double()
                 new = slice(ids.shape[1], None)
                 row = {
                     "model": kind, "dtype": str(dtype).replace("torch.", ""), "scheme": scheme,
                     "qstate_steps_per_layer": steps, "expected_steps": args.tokens - 1,
                     "replay_cache_devices": devices,
+                    # a replay route that took transformers' state for an outside write at every
+                    # token would reset its ring each step: no flushes, cursor 1
+                    "replay_flushes": flushes, "replay_cursors": cursors,
+                    "expected_flushes_cursor": None if ring_len is None else list(divmod(args.tokens - 1, ring_len)),
                     "finite": bool(torch.isfinite(logits).all()),
                     "token_agreement": float((got.sequences[:, new] == reference.sequences[:, new]).double().mean()),
                     "max_rel_logit_diff": float((logits - ref_logits).abs().max() / ref_logits.abs().max()),
@@ -120,6 +130,8 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(payload, fh, indent=1)
     failures = [r for r in rows if r["qstate_steps_per_layer"] != [r["expected_steps"]] or not r["finite"]
+                or (r["expected_flushes_cursor"] is not None
+                    and [r["replay_flushes"], r["replay_cursors"]] != [[n] for n in r["expected_flushes_cursor"]])
                 or (r["scheme"] in ("fp32", "replay/fp32/16") and r["dtype"] == "float32" and r["token_agreement"] < 1)]
     print(f"{len(rows)} runs, {len(failures)} failures", flush=True)
     if failures:
