@@ -169,6 +169,8 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
     ``input_ids (batch, prompt_len)`` on the model's device; ``schemes``: scheme strings or
     :class:`Scheme` objects (or one comma-separated string); ``new_tokens`` decode steps, fed
     the reference's greedy tokens; ``seed`` keys stochastic rounding. Returns a :class:`ModelDrift`.
+    Raises ``RuntimeError`` when qstate did not run every decode step of every layer (a model
+    whose decode bypasses transformers' step function), rather than report its logits.
     """
     from qstate import profiles
     from qstate.integrations.transformers import decode_logits, find_mixers, patch
@@ -183,8 +185,15 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
     tokens, reference = decode_logits(model, input_ids, new_tokens)
     results = []
     for scheme in parsed:
-        with patch(model, scheme, seed=seed):
+        with patch(model, scheme, seed=seed) as patched:
             _, logits = decode_logits(model, input_ids, new_tokens, tokens=tokens)
+        missing = {layer: steps for layer, steps in patched.steps.items() if steps != new_tokens}
+        if missing:
+            # logits equal to the reference's would report the scheme as free
+            raise RuntimeError(
+                f"model_drift: expected qstate to run all {new_tokens} decode steps of every Mamba-2 layer under "
+                f"{scheme}, got {missing} (steps per layer): the model's decode did not call transformers' "
+                f"mamba2_selective_state_update, for example after kernelize()")
         results.append(SchemeDrift.compare(scheme, reference, logits))
     return ModelDrift(tokens.cpu(), results, profile)
 

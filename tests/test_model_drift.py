@@ -78,6 +78,15 @@ def test_a_non_finite_scheme_is_reported_as_failed_with_its_step():
     assert row["failed_at"] == 4 and row["mean_kl"] is None and row["top1_agreement"] is None
 
 
+def test_a_decode_that_bypasses_qstate_is_an_error_not_a_free_scheme(monkeypatch):
+    """A model whose decode never calls the patched step function (kernelize(), a hub kernel)
+    would give the reference's logits under every scheme's name."""
+    model = hf_tiny.nemotron_h(seed=5)
+    monkeypatch.setattr(qt, "_dispatcher", lambda original: original)
+    with pytest.raises(RuntimeError, match=r"model_drift: expected qstate to run all 3 decode steps .* got \{"):
+        model_drift(model, hf_tiny.prompt(batch=1, length=4, seed=6), ["fp8_e4m3:row"], 3)
+
+
 def test_bad_input_is_rejected():
     model = hf_tiny.mamba2(seed=7)
     ids = hf_tiny.prompt(batch=1, length=3)
