@@ -6,7 +6,8 @@ and mamba_ssm's tied-stride expanded parameters. A route turns those into qstate
 (DESIGN.md §1), runs one qstate op on the state it keeps in the scheme's storage, and writes
 the value that storage holds back into transformers' tensor, so that anything transformers does
 with its cache (a further prefill chunk, beam reordering, cropping) sees qstate's state. That
-write costs one fp32 state write per step: the patch measures numerics, it does not save memory.
+write, and the copy of it each route keeps (below), cost two fp32 state writes per step and one
+more state per layer: the patch measures numerics, it does not save memory.
 
 A route re-reads transformers' tensor (``sync``) whenever it may have changed behind its back:
 the first step after a prefill, or a state that no longer holds the route's own last write. A
