@@ -187,7 +187,7 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
     for scheme in parsed:
         with patch(model, scheme, seed=seed) as patched:
             _, logits = decode_logits(model, input_ids, new_tokens, tokens=tokens)
-        missing = {layer: steps for layer, steps in patched.steps.items() if steps != new_tokens}
+        missing = patched.missed_steps(new_tokens)
         if missing:
             # logits equal to the reference's would report the scheme as free
             raise RuntimeError(

@@ -128,7 +128,7 @@ def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *, name: Opt
     recorders = {layer: _Recorder() for layer, _ in mixers}
     with attach_routes(model, lambda layer, mixer: ObserverRoute(layer, recorders[layer])) as observed:
         decode_logits(model, input_ids, new_tokens)
-    missing = [layer for layer, steps in observed.steps.items() if steps != new_tokens]
+    missing = list(observed.missed_steps(new_tokens))
     if missing:
         raise RuntimeError(f"calibrate: the decode steps of layers {missing} did not reach qstate's observer")
     layers = tuple(rec.stats(layer) for layer, rec in recorders.items())

@@ -75,14 +75,17 @@ def check_kernels_can_run(device: torch.device) -> None:
             "start Python with TRITON_INTERPRET=1 set (before importing qstate), or move the model to a GPU")
 
 
+_SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality, so that a NaN the route wrote still counts as its own."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    if a.dtype.is_floating_point and a.element_size() in (2, 4, 8):
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
-    return torch.equal(a, b)
+    bits = _SAME_SIZE_INTEGER.get(a.element_size()) if a.dtype.is_floating_point else None
+    if bits is None:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 def _version(t: torch.Tensor) -> Optional[int]:

@@ -197,6 +197,11 @@ class Patch:
         """Decode steps each route has run since patching (0 means qstate never ran there)."""
         return {name: route.steps for name, route in self.routes.items()}
 
+    def missed_steps(self, expected: int) -> dict:
+        """``{layer: steps}`` of the layers whose route ran other than ``expected`` decode steps:
+        a decode that bypassed qstate there (empty when every layer ran them all)."""
+        return {name: steps for name, steps in self.steps.items() if steps != expected}
+
     @property
     def caches(self) -> dict:
         """Replay schemes: the :class:`qstate.ReplayCache` of each layer (None before its first step)."""
