@@ -1,7 +1,7 @@
 """Per-kernel device time of the harness's cases: where a call's microseconds go.
 
     python3 -m bench.breakdown --only "spec replay fp32+fp8_e4m3:row b256" [--out DIR] [--warm]
-        [--set qstate.kernels.speculative.FLUSH_TILE="(16, 4)" ...]
+        [--set qstate.kernels.mamba2.speculative.FLUSH_TILE="(16, 4)" ...]
 
 Each selected case runs eagerly on buffer sets that together exceed the L2 (as in
 :func:`harness.time_case`), under ``torch.profiler``; the device time of every kernel is summed

@@ -9,8 +9,8 @@ import torch
 
 import qstate
 from qstate import formats, profiles, reference
-from qstate.kernels import codec, codec_probe
-from qstate.kernels import conventional as kernel
+from qstate.kernels.common import codec, codec_probe
+from qstate.kernels.mamba2 import conventional as kernel
 
 from .harness import Case, bits, eager_us, graph_matches_eager, register
 

@@ -1,4 +1,4 @@
-"""Check of the tensor-core product (``qstate.kernels.exact_dot``) against fp64, for the tests
+"""Check of the tensor-core product (``qstate.kernels.common.exact_dot``) against fp64, for the tests
 (interpreter) and ``bench/run_gpu.py`` (GPU). No timed cases: the product is timed inside the
 verify kernels that use it.
 
@@ -17,7 +17,7 @@ import math
 import torch
 
 from qstate import formats
-from qstate.kernels import exact_dot, exact_dot_probe
+from qstate.kernels.common import exact_dot, exact_dot_probe
 
 U = 2.0 ** -24
 STATE_FORMATS = ("bf16", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row")

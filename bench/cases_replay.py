@@ -24,7 +24,7 @@ import torch
 from qstate import reference
 from qstate.cache import ReplayCache
 from qstate.formats import dequantize, quantize
-from qstate.kernels.replay import launch_replay_decode
+from qstate.kernels.mamba2.replay import launch_replay_decode
 
 from . import harness
 

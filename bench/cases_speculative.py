@@ -210,7 +210,7 @@ def eager_overhead(device, layer=LAYER):
     """µs per eager round at batch 1, fp32 checkpoint + fp8_e4m3:row read copy, T = 4, every draft
     accepted: the public ``replay_verify`` + ``replay_commit`` and their launchers alone (five
     kernel launches a round either way)."""
-    from qstate.kernels.speculative import launch_replay_commit, launch_replay_verify
+    from qstate.kernels.mamba2.speculative import launch_replay_commit, launch_replay_verify
 
     H, P = layer["nheads"], layer["headdim"]
     cache = ReplayCache.allocate(1, **layer, ring_len=RING_LEN, read="fp8_e4m3:row", device=device,

@@ -116,7 +116,8 @@ def graph_matches_eager(name: str, make_buffers: Callable[[], Any], steps: Calla
     ``tensors(buffers)`` other than the same steps run eagerly with PDL off, bit for bit: a
     kernel that touched memory before its grid-dependency wait would race with the kernel
     before it. ``make_buffers`` must give equal buffers on every call."""
-    from qstate.kernels import clear_launch_plans, pdl
+    from qstate.kernels import clear_launch_plans
+    from qstate.kernels.common import pdl
 
     enabled = pdl.enabled
     eager = make_buffers()

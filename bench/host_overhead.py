@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qstate  # noqa: E402
 from qstate import profiles  # noqa: E402
-from qstate.kernels import conventional, replay, speculative  # noqa: E402
-from qstate.kernels.launch import StandInKernel, replace_kernel  # noqa: E402
+from qstate.kernels.mamba2 import conventional, replay, speculative  # noqa: E402
+from qstate.kernels.common.launch import StandInKernel, replace_kernel  # noqa: E402
 
 _KERNELS = {conventional: ["_conventional_kernel"],
             replay: ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"],

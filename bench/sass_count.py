@@ -5,7 +5,7 @@ instruction issue on the H200 (bench/README.md, "Where the time goes"), so this 
 tiles before a GPU run; the GPU sweep decides.
 
     python3 -m bench.sass_count replay --read fp8_e4m3:row [--checkpoint bf16+sr]
-    python3 -m bench.sass_count verify --read fp8_e4m3:row --set qstate.kernels.speculative.VERIFY_TILE="{...}"
+    python3 -m bench.sass_count verify --read fp8_e4m3:row --set qstate.kernels.mamba2.speculative.VERIFY_TILE="{...}"
     python3 -m bench.sass_count conventional --format int8:row
 
 Shapes: the Nemotron-H-8B layer (128 heads × 64 × 128, 8 groups), batch 256, bf16 inputs,
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from qstate.kernels.launch import replace_kernel  # noqa: E402
+from qstate.kernels.common.launch import replace_kernel  # noqa: E402
 
 from .breakdown import set_constant  # noqa: E402
 
@@ -120,7 +120,7 @@ def _bf16(*shape):
 
 def launch_replay(read, checkpoint="fp32"):
     from qstate.cache import ReplayCache
-    from qstate.kernels import replay
+    from qstate.kernels.mamba2 import replay
     launches = record(replay, ["_replay_step_kernel", "_replay_step_grouped_kernel", "_replay_flush_kernel"])
     H, P, N, G = LAYER.values()
     cache = ReplayCache.allocate(BATCH, H, P, N, G, ring_len=16, checkpoint=checkpoint, read=read, device="cpu")
@@ -138,7 +138,7 @@ def launch_replay(read, checkpoint="fp32"):
 
 def launch_verify(read, T=4):
     from qstate.cache import ReplayCache
-    from qstate.kernels import speculative
+    from qstate.kernels.mamba2 import speculative
     launches = record(speculative, ["_group_BC_kernel", "_verify_kernel", "_verify_flush_kernel",
                                     "_verify_flushed_rows_kernel"])
     H, P, N, G = LAYER.values()
@@ -155,7 +155,8 @@ def launch_verify(read, T=4):
 
 def launch_conventional(text):
     from qstate import formats
-    from qstate.kernels import codec, conventional
+    from qstate.kernels.common import codec
+    from qstate.kernels.mamba2 import conventional
     launches = record(conventional, ["_conventional_kernel"])
     fmt = formats.StateFormat.parse(text)
     H, P, N, G = LAYER.values()

@@ -44,7 +44,7 @@ def stand_in_kernels(monkeypatch):
     """``install(module)``: every ``CompiledLaunch`` of a kernels module launches a recording
     stand-in for its kernel, as on a GPU (compiled launchers, prepared launches), whatever the
     tensors' device; returns the shared log. Restored after the test."""
-    from qstate.kernels.launch import CompiledLaunch, StandInKernel
+    from qstate.kernels.common.launch import CompiledLaunch, StandInKernel
 
     log = []
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from bench import breakdown
-from qstate.kernels import speculative
+from qstate.kernels.mamba2 import speculative
 
 
 def test_set_constant_sets_a_launcher_constant_to_a_literal(monkeypatch):
     monkeypatch.setattr(speculative, "FLUSH_TILE", speculative.FLUSH_TILE)
-    breakdown.set_constant("qstate.kernels.speculative.FLUSH_TILE = (16, 4)")
+    breakdown.set_constant("qstate.kernels.mamba2.speculative.FLUSH_TILE = (16, 4)")
     assert speculative.FLUSH_TILE == (16, 4)
 
 
@@ -29,13 +29,13 @@ def test_set_constant_reaches_a_cached_launch_plan(monkeypatch):
     assert speculative._verify_plan(*signature) is plan
     assert plan.flush_constexprs["BLOCK_P"] == speculative.FLUSH_TILE[0] != 16
     monkeypatch.setattr(speculative, "FLUSH_TILE", speculative.FLUSH_TILE)
-    breakdown.set_constant("qstate.kernels.speculative.FLUSH_TILE = (16, 4)")
+    breakdown.set_constant("qstate.kernels.mamba2.speculative.FLUSH_TILE = (16, 4)")
     assert speculative._verify_plan(*signature).flush_constexprs["BLOCK_P"] == 16
 
 
 @pytest.mark.parametrize("assignment, message", [
     ("FLUSH_TILE", "expected MODULE.NAME=VALUE"),
-    ("qstate.kernels.speculative.NO_SUCH_TILE=(1, 1)", "has no attribute 'NO_SUCH_TILE'"),
+    ("qstate.kernels.mamba2.speculative.NO_SUCH_TILE=(1, 1)", "has no attribute 'NO_SUCH_TILE'"),
 ])
 def test_set_constant_rejects_what_it_cannot_set(assignment, message):
     with pytest.raises(ValueError, match=message):
@@ -93,7 +93,8 @@ def test_gpu_check_covers_the_head_loop_launches():
     a shape whose launch on a GPU takes kernel.HEAD_LOOP_CONFIGS' configuration."""
     from bench import cases_conventional
     from qstate import formats
-    from qstate.kernels import codec, conventional
+    from qstate.kernels.common import codec
+    from qstate.kernels.mamba2 import conventional
 
     shapes = cases_conventional._check_shapes()
     assert set(shapes[0][2]) == set(cases_conventional.ALL_FORMATS)

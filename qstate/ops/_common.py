@@ -13,7 +13,7 @@ import torch
 
 from .. import _validate
 from ..formats import StateFormat, as_format
-from ..kernels import codec
+from ..kernels.common import codec
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _validate
-from ..kernels import conventional as _kernel
+from ..kernels.mamba2 import conventional as _kernel
 from . import _common, _signature
 from ._register import eager, mutating_op
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
-from ..kernels import replay as _kernel
+from ..kernels.mamba2 import replay as _kernel
 from . import _common, _signature
 from ._register import eager, mutating_op
 

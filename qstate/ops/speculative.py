@@ -43,7 +43,7 @@ def _replay_verify_impl(
     cursor: torch.Tensor, generation: torch.Tensor, drafts: torch.Tensor, flush_rows: torch.Tensor,
     flush_counters: torch.Tensor, checkpoint_format: str, read_format: Optional[str], seed: int,
 ) -> None:
-    from ..kernels.speculative import launch_replay_verify
+    from ..kernels.mamba2.speculative import launch_replay_verify
 
     launch_replay_verify(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
@@ -58,7 +58,7 @@ _replay_verify_op = mutating_op("qstate::replay_verify", _replay_verify_impl, _V
 
 def _replay_commit_impl(num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor], cursor: torch.Tensor,
                         drafts: torch.Tensor, commit_errors: torch.Tensor) -> None:
-    from ..kernels.speculative import launch_replay_commit
+    from ..kernels.mamba2.speculative import launch_replay_commit
 
     launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, cursor.shape[0])
 
@@ -73,7 +73,7 @@ def _drafts_impl(
     dt_bias: Optional[torch.Tensor], dt_softplus: bool, slot_indices: Optional[torch.Tensor], out: torch.Tensor,
     state_format: str,
 ) -> None:
-    from ..kernels.speculative import launch_drafts
+    from ..kernels.mamba2.speculative import launch_drafts
 
     launch_drafts(state, state_scale, intermediate, intermediate_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                   slot_indices, out, state_format=_common.format_constants(state_format).fmt)
@@ -86,7 +86,7 @@ _drafts_op = mutating_op("qstate::selective_state_update_drafts", _drafts_impl,
 def _commit_drafts_impl(state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
                         intermediate_scale: Optional[torch.Tensor], num_accepted: torch.Tensor,
                         slot_indices: Optional[torch.Tensor]) -> None:
-    from ..kernels.speculative import launch_copy_accepted
+    from ..kernels.mamba2.speculative import launch_copy_accepted
 
     launch_copy_accepted(intermediate, state, num_accepted, slot_indices)
     if state_scale is not None:
@@ -259,7 +259,7 @@ def replay_check_commits(cache: ReplayCache) -> None:
     ``cache.commit_errors``: one host sync), and clear the record."""
     if not isinstance(cache, ReplayCache):
         raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
-    from ..kernels.speculative import ERROR_ACCEPTED_RANGE, ERROR_NO_VERIFY
+    from ..kernels.mamba2.speculative import ERROR_ACCEPTED_RANGE, ERROR_NO_VERIFY
 
     bits = int(cache.commit_errors[0])
     cache.commit_errors.zero_()

@@ -1,8 +1,8 @@
-"""Host size arithmetic of the launchers (``qstate.kernels.sizes``) against Triton's own."""
+"""Host size arithmetic of the launchers (``qstate.kernels.common.sizes``) against Triton's own."""
 
 import triton
 
-from qstate.kernels import sizes
+from qstate.kernels.common import sizes
 
 
 def test_cdiv_matches_triton():

@@ -7,7 +7,7 @@ import torch
 
 from bench import cases_exact_dot
 from qstate import formats
-from qstate.kernels import exact_dot
+from qstate.kernels.common import exact_dot
 
 
 def test_products_within_fp32_summation_of_exact_products():

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from qstate import formats
-from qstate.kernels import codec, conventional
+from qstate.kernels.common import codec
+from qstate.kernels.mamba2 import conventional
 
 from test_conventional import _bits, _inputs, _kernel_noise, _mirror_step, _numpy_exp, _rel_rms, _stored
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qstate import formats
-from qstate.kernels import codec_probe
+from qstate.kernels.common import codec_probe
 
 FORMATS = [
     "fp32", "bf16", "fp16", "bf16+sr", "fp16+sr",

@@ -2,7 +2,7 @@
 
 import torch
 
-from qstate.kernels import pdl
+from qstate.kernels.common import pdl
 
 
 def test_pdl_is_off_for_cpu_tensors():

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, pdl, sizes
-from .launch import CompiledLaunch, register_cap
-from .softplus import softplus
+from ..common import codec, pdl, sizes
+from ..common.launch import CompiledLaunch, register_cap
+from ..common.softplus import softplus
 
 OUT_FP32 = 0
 OUT_BF16 = 1

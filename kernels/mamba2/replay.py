@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot, gpu, pdl, sizes
-from .launch import CompiledLaunch, register_cap
-from .gate import gate
-from .softplus import softplus
+from ..common import codec, exact_dot, gpu, pdl, sizes
+from ..common.launch import CompiledLaunch, register_cap
+from ..common.gate import gate
+from ..common.softplus import softplus
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from qstate.kernels import launch
+from qstate.kernels.common import launch
 
 
 def _params(a_ptr, b_ptr, n, seed, BLOCK, FLAG=True):

@@ -20,7 +20,8 @@ import torch
 
 import qstate
 from qstate import formats, reference
-from qstate.kernels import codec, codec_probe, conventional, launch
+from qstate.kernels.common import codec, codec_probe, launch
+from qstate.kernels.mamba2 import conventional
 
 SCALED_FORMATS = [f"{d}:{g}" for d in ("int8", "fp8_e4m3", "fp8_e5m2") for g in ("row", "head", "block32")]
 ALL_FORMATS = ["fp32", "bf16", "fp16", "bf16+sr", "fp16+sr", *SCALED_FORMATS, "int8:row+sr", "fp8_e4m3:block32+sr"]

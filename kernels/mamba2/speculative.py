@@ -40,12 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import codec, exact_dot, gpu, sizes
+from ..common import codec, exact_dot, gpu, sizes
 from .conventional import tile_config
-from .launch import CompiledLaunch, register_cap
+from ..common.launch import CompiledLaunch, register_cap
 from .replay import _fold_ring, _head_tile, _load_scaled_codes, _load_state, _process_dt, _slot_of, _store_state
-from .gate import gate
-from .softplus import softplus
+from ..common.gate import gate
+from ..common.softplus import softplus
 
 ERROR_NO_VERIFY = 1
 ERROR_ACCEPTED_RANGE = 2

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from qstate import reference
 from qstate.cache import ReplayCache
 from qstate.formats import DTYPES, StateFormat, dequantize, quantize
-from qstate.kernels import replay as replay_kernels
+from qstate.kernels.mamba2 import replay as replay_kernels
 from qstate.ops.replay import replay_decode
 
 U = 2.0 ** -24
