@@ -2,7 +2,7 @@
 on the Nemotron-H-8B layer, the speed-up over fp32 that ``Scheme.bytes_per_step`` predicts
 (bytes alone) next to the one measured in the same GPU run.
 
-    python3 -m bench.traffic_check bench/results/conventional-7b54e1a.json bench/results/replay-7b54e1a.json
+    python3 -m bench.traffic_check bench/results/conventional.json bench/results/replay.json
 
 ``qstate choose --objective traffic`` ranks schemes by bytes per step; where a kernel is bound
 by instruction issue rather than bytes (the 8-bit states on the H200, bench/README.md), the
