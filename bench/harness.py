@@ -231,8 +231,7 @@ def markdown_table(payload: dict) -> str:
     """The results table of one run (``payload`` as written by ``bench/run_gpu.py``)."""
     env = payload["environment"]
     lines = [
-        f"Run {env['date']} on {env['gpu']}, commit {env['commit']} (torch {env['torch']}, triton {env['triton']}),",
-        f"command `{payload['command']}`. Copy ceiling measured in the same run: "
+        f"Command `{payload['command']}`. Copy ceiling measured in the same run: "
         f"{payload['copy_ceiling_gbs']:.0f} GB/s (read + write)"
         + (f"; reading alone: {payload['read_ceiling_gbs']:.0f} GB/s." if "read_ceiling_gbs" in payload else "."),
         "",
@@ -249,6 +248,7 @@ def markdown_table(payload: dict) -> str:
     for note in payload.get("notes", []):
         lines.append("")
         lines.append(note)
+    lines += ["", f"measured on {env['gpu']}, {env['date']}, {env['commit']} (torch {env['torch']}, triton {env['triton']})"]
     return "\n".join(lines)
 
 
