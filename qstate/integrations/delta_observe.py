@@ -41,7 +41,8 @@ _ACTIVE_LAYER: contextvars.ContextVar = contextvars.ContextVar("qstate_delta_lay
 class DeltaStep:
     """One decode token of one layer in :mod:`qstate.reference.gated_delta`'s shapes (no T):
     ``q, k (batch, HK, K)``, ``v (batch, HV, V)``, ``g (batch, HV)`` or ``(batch, HV, K)``,
-    ``beta (batch, HV)``, ``state`` and ``new_state (batch, HV, V, K)`` (V-first views)."""
+    ``beta (batch, HV)``, ``state`` and ``new_state (batch, HV, V, K)`` (V-first views).
+    The tensors are transformers' own, valid during the call only: its cache may reuse them."""
 
     q: torch.Tensor
     k: torch.Tensor
