@@ -28,6 +28,12 @@ Distributions of :meth:`DeltaRuleProfile.sample_inputs`, from the models' initia
   and head (``2·sigmoid(b)`` for a model that allows β up to 2).
 * ``q, k ~ N(0, 1)`` (the op normalises them), ``v ~ N(0, 1)``; the state starts at zero.
 
+Built-in profiles (:data:`PROFILES`): the Qwen3.5 models and Kimi-Linear-48B-A3B take their shapes
+from their released ``config.json``; Qwen3-Next-80B-A3B from transformers' ``Qwen3NextConfig``
+defaults and GLM-5.3-Flash from transformers' ``Glm5NextTextConfig`` defaults (no released config
+read). Trained models' gates differ from their initialisation: :func:`qstate.profiles.calibrate`
+measures them.
+
 Everything is drawn in fp64 on the CPU from one ``torch.Generator`` seeded with ``seed`` and then
 cast and moved, so the same seed gives the same inputs on any machine.
 """
@@ -279,7 +285,6 @@ def _kimi(name, heads, layers):
                             gates=KIMI_INIT)
 
 
-# Shapes: released config.json files except where noted.
 PROFILES = (
     DeltaRuleProfile("qwen3.5-0.8b", 16, 16, 128, 128, 18),
     DeltaRuleProfile("qwen3.5-9b", 16, 32, 128, 128, 24),
@@ -287,9 +292,8 @@ PROFILES = (
     DeltaRuleProfile("qwen3.5-35b-a3b", 16, 32, 128, 128, 30),
     DeltaRuleProfile("qwen3.5-122b-a10b", 16, 64, 128, 128, 36),
     DeltaRuleProfile("qwen3.5-397b-a17b", 16, 64, 128, 128, 45),
-    DeltaRuleProfile("qwen3-next-80b-a3b", 16, 32, 128, 128, 36),  # transformers' Qwen3NextConfig defaults
+    DeltaRuleProfile("qwen3-next-80b-a3b", 16, 32, 128, 128, 36),
     _kimi("kimi-linear-48b-a3b", 32, 20),
-    # transformers' Glm5NextTextConfig defaults only (no released config.json to read).
     DeltaRuleProfile("glm-5.3-flash", 64, 64, 128, 128, 34, gate="channel", gate_form="bounded",
                      gates=BOUNDED_INIT),
 )

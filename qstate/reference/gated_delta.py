@@ -270,6 +270,7 @@ class _CorrectedRing:
         return S
 
     def append(self, base, k, v, alpha, beta):
+        """Keep the token's ``d``, computed from ``base`` with the ring folded in."""
         _, d = _update(self.fold(base), k, v, alpha, beta)
         self.k.append(k)
         self.d.append(d)
