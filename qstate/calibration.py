@@ -8,19 +8,22 @@ the model's layer shape, with an :class:`EmpiricalDecay` whose heads are the mea
 ``(A, median dt)`` pairs of all layers, so ``sample_inputs``, the drift engine and the chooser
 draw decays from what the model does rather than from ``A ∈ −[1, 16]``, ``dt ∈ [1e-3, 1e-1]``.
 The per-token spread of ``dt`` around a head's median stays the profile's usual one.
+Models with gated delta rule layers are measured by :mod:`qstate.calibration_delta`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .profiles import DecayDistribution, Profile
+from ._mamba2_profile import DecayDistribution, Profile
+from .calibration_delta import CalibratedDeltaProfile, DeltaLayerStats, EmpiricalGates, calibrate_delta
 
-__all__ = ["EmpiricalDecay", "LayerStats", "CalibratedProfile", "calibrate"]
+__all__ = ["EmpiricalDecay", "LayerStats", "CalibratedProfile", "calibrate", "CalibratedDeltaProfile",
+           "DeltaLayerStats", "EmpiricalGates"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +107,13 @@ class _Recorder:
         )
 
 
-def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *, name: Optional[str] = None) -> CalibratedProfile:
+def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *,
+              name: Optional[str] = None) -> Union[CalibratedProfile, CalibratedDeltaProfile]:
     """Measure ``model``'s heads during a greedy decode of ``new_tokens`` tokens after ``input_ids``.
 
-    ``model``: a transformers ``Mamba2ForCausalLM`` / ``NemotronHForCausalLM`` (not patched);
+    ``model``: a transformers ``Mamba2ForCausalLM`` / ``NemotronHForCausalLM`` (not patched), or
+    a model with gated delta rule layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Kimi Linear: see
+    :func:`qstate.calibration_delta.calibrate_delta`, which returns a :class:`CalibratedDeltaProfile`);
     ``input_ids (batch, prompt_len)``, at least one token, on the model's device (real text gives
     real statistics).
     Returns a :class:`CalibratedProfile` named ``name`` (default: the model's ``name_or_path``
@@ -115,8 +121,11 @@ def calibrate(model, input_ids: torch.Tensor, new_tokens: int = 64, *, name: Opt
     differ in shape.
     """
     from .integrations.decode_routes import ObserverRoute
+    from .integrations.delta_observe import find_delta_layers
     from .integrations.transformers import attach_routes, decode_logits, find_mixers
 
+    if find_delta_layers(model):
+        return calibrate_delta(model, input_ids, new_tokens, name=name)
     mixers = find_mixers(model)
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.numel():
         raise ValueError(f"input_ids: expected at least one sequence of at least one token, got shape "

@@ -148,9 +148,15 @@ def _choose(args) -> int:
 
 def _models(args) -> int:
     print("| model | nheads | headdim | dstate | ngroups | SSM layers |\n|---|---|---|---|---|---|")
-    for name in profiles.names():
+    for name in profiles.names("mamba2"):
         p = profiles.get(name)
         print(f"| {name} | {p.nheads} | {p.headdim} | {p.dstate} | {p.ngroups} | {p.n_ssm_layers} |")
+    print("\n| model | key heads | value heads | head_k_dim | head_v_dim | gate | delta-rule layers |\n"
+          "|---|---|---|---|---|---|---|")
+    for name in profiles.names("gated_delta"):
+        p = profiles.get(name)
+        print(f"| {name} | {p.num_k_heads} | {p.num_v_heads} | {p.head_k_dim} | {p.head_v_dim} | "
+              f"{p.gate} ({p.gate_form}) | {p.n_layers} |")
     return 0
 
 

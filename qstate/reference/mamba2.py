@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from . import _validate
-from .formats import FormatLike, as_format, dequantize, quantize
+from .. import _validate
+from ..formats import FormatLike, as_format, dequantize, quantize
 
 __all__ = ["mamba2_step", "decode_exact", "decode_naive", "decode_replay", "process_dt"]
 
