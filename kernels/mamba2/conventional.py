@@ -24,7 +24,12 @@ import torch
 
 from ..common import codec, pdl, sizes
 from ..common.launch import CompiledLaunch, register_cap
-from .conventional_kernel import OUT_BF16, OUT_FP16, OUT_FP32, _conventional_kernel
+from . import conventional_kernel
+from .conventional_kernel import _conventional_kernel
+
+OUT_FP32 = conventional_kernel.OUT_FP32.value
+OUT_BF16 = conventional_kernel.OUT_BF16.value
+OUT_FP16 = conventional_kernel.OUT_FP16.value
 
 
 
@@ -36,16 +41,17 @@ class Variant:
     (else ignored). ``heads_per_prog``: heads of one group per program, a loop (reduced to the
     largest power of two dividing heads_per_group). ``num_stages``: the compiler's software
     pipelining of that loop. ``prefetch``: load the next head before updating this one.
-    ``sr_stream``: 0 = one Philox draw per element (:func:`codec.uniform`), 1 = one per four
-    (:func:`codec.uniform4`), 2 = one per eight (:func:`codec.noise8`, 16-bit noise); each
-    a different noise stream, with ``sr_rounds`` Philox rounds for 1 and 2.
+    ``sr_stream``: ``codec.SR_UNIFORM`` = one Philox draw per element (:func:`codec.uniform`),
+    ``SR_UNIFORM4`` = one per four (:func:`codec.uniform4`), ``SR_NOISE8`` = one per eight
+    (:func:`codec.noise8`, 16-bit noise); each a different noise stream, with ``sr_rounds``
+    Philox rounds for the last two.
     """
 
     even: bool = False
     heads_per_prog: int = 1
     num_stages: int = 1
     prefetch: bool = False
-    sr_stream: int = 0
+    sr_stream: int = codec.SR_UNIFORM
     sr_rounds: int = 10
 
 
@@ -61,7 +67,7 @@ class Variant:
 # (bf16 318.7 / 336.1) in the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among
 # head counts moves between machines, the gain over the plain path does not (bench/README.md).
 # The +sr noise stream every default launch draws (eight 16-bit draws per Philox4x32-7 call).
-_SR16 = dict(sr_stream=2, sr_rounds=7)
+_SR16 = dict(sr_stream=codec.SR_NOISE8, sr_rounds=7)
 DEFAULT_VARIANTS = {
     (4, False): Variant(),
     (2, False): Variant(even=True, heads_per_prog=2, prefetch=True),

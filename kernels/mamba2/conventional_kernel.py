@@ -5,11 +5,14 @@ import triton
 import triton.language as tl
 
 from ..common import codec, pdl
+from ..common.constants import (BF16, FP32, FP8_E4M3, GRAN_BLOCK32, GRAN_HEAD, GRAN_NONE, GRAN_ROW, INT8,
+                                SR_NOISE8, SR_UNIFORM, SR_UNIFORM4)
 from ..common.softplus import softplus
 
-OUT_FP32 = 0
-OUT_BF16 = 1
-OUT_FP16 = 2
+# Output dtypes (constexpr ``OUT_DTYPE``): bf16 is stored as its bits (int16).
+OUT_FP32 = tl.constexpr(0)
+OUT_BF16 = tl.constexpr(1)
+OUT_FP16 = tl.constexpr(2)
 
 
 @triton.jit
@@ -43,8 +46,8 @@ def _and(mask, extra):
 def _store_output(out_ptr, y, batch_row, head, rows, mask, s_out_batch, s_out_head,
                   OUT_DTYPE: tl.constexpr, HW: tl.constexpr):
     out_rows = out_ptr + batch_row * s_out_batch + head * s_out_head + rows
-    if OUT_DTYPE == 1:
-        tl.store(out_rows, codec.encode(y, 0.0, 1, False, HW), mask=mask)
+    if OUT_DTYPE == OUT_BF16:
+        tl.store(out_rows, codec.encode(y, 0.0, BF16, False, HW), mask=mask)
     else:
         tl.store(out_rows, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -61,13 +64,13 @@ def _load_head(
     loading the next head before updating this one overlaps the two."""
     state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
     codes = _load(state_tile, tile_mask, 0)  # [BLOCK_P, BLOCK_N]
-    if GRAN != 0:
+    if GRAN != GRAN_NONE:
         scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
-    if GRAN == 1:
+    if GRAN == GRAN_ROW:
         old_scale = _load(scale_base + rows * s_scale_row, scale_mask, 0.0)  # [BLOCK_P]
-    elif GRAN == 2:
+    elif GRAN == GRAN_HEAD:
         old_scale = _load(scale_base + rows * 0, scale_mask, 0.0)  # [BLOCK_P], one value
-    elif GRAN == 3:
+    elif GRAN == GRAN_BLOCK32:
         block_ids = tl.arange(0, BLOCK_N // 32)
         old_scale = _load(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], block_mask, 0.0)  # [BLOCK_P, NB]
     else:
@@ -97,12 +100,12 @@ def _update_head(
     NB: tl.constexpr = BLOCK_N // 32
     # FUSED row and head scales: the old scale joins the decay in one factor per row (one
     # rounding fewer than the references' order, kernels/README.md).
-    FOLD_SCALE: tl.constexpr = FUSED and (GRAN == 1 or GRAN == 2)
+    FOLD_SCALE: tl.constexpr = FUSED and (GRAN == GRAN_ROW or GRAN == GRAN_HEAD)
     values = codec.decode(codes, DTYPE, HW)  # [BLOCK_P, BLOCK_N]
     if not FOLD_SCALE:
-        if GRAN == 1 or GRAN == 2:
+        if GRAN == GRAN_ROW or GRAN == GRAN_HEAD:
             values = values * old_scale[:, None]
-        elif GRAN == 3:
+        elif GRAN == GRAN_BLOCK32:
             values = values * tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
 
     dt = dt.to(tl.float32)
@@ -129,9 +132,9 @@ def _update_head(
 
     if STOCHASTIC:
         element_rows = (slot * nheads + head) * headdim + rows  # [BLOCK_P]
-        if SR_STREAM == 0:
+        if SR_STREAM == SR_UNIFORM:
             u = codec.uniform(seed, (element_rows[:, None] * dstate + cols[None, :]).to(tl.int32))
-        elif SR_STREAM == 1:
+        elif SR_STREAM == SR_UNIFORM4:
             quads = tl.arange(0, BLOCK_N // 4)
             counter = (element_rows[:, None] * ((dstate + 3) // 4) + quads[None, :]).to(tl.int32)
             u = codec.uniform4(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
@@ -142,24 +145,24 @@ def _update_head(
         u = 0.0
     # 16-bit noise (codec.encode_sr16): bf16 on the bits exactly as the reference, int8 and fp8
     # within the FUSED path's license to differ in last bits.
-    SR16: tl.constexpr = STOCHASTIC and SR_STREAM == 2 and (DTYPE == 1 or (FOLD_SCALE and DTYPE >= 3))
-    if GRAN != 0:
+    SR16: tl.constexpr = STOCHASTIC and SR_STREAM == SR_NOISE8 and (DTYPE == BF16 or (FOLD_SCALE and DTYPE >= FP8_E4M3))
+    if GRAN != GRAN_NONE:
         scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
-    if DTYPE == 0:
+    if DTYPE == FP32:
         codes = new_state
-    elif SR16 and GRAN == 0:
+    elif SR16 and GRAN == GRAN_NONE:
         codes = codec.encode_sr16(new_state, 1.0, noise, QMAX, DTYPE, HW)
-    elif GRAN == 0:
+    elif GRAN == GRAN_NONE:
         codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
     else:
         magnitude = tl.abs(new_state)
-        if FUSED and GRAN != 3:
-            if GRAN == 1:
+        if FUSED and GRAN != GRAN_BLOCK32:
+            if GRAN == GRAN_ROW:
                 amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
             else:
                 amax = tl.max(tl.max(magnitude, axis=1), axis=0)
             scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
-            if GRAN == 1:
+            if GRAN == GRAN_ROW:
                 _store(scale_base + rows * s_scale_row, scale, scale_mask)
                 recip = recip[:, None]
             else:
@@ -167,10 +170,10 @@ def _update_head(
                          mask=_and(scale_mask, rows == 0))
             if SR16:
                 codes = codec.encode_sr16(new_state, recip, noise, QMAX, DTYPE, HW)
-            elif DTYPE == 5 and not STOCHASTIC:
+            elif DTYPE == INT8 and not STOCHASTIC:
                 # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile
                 # whose scales are all unclamped skips the per-element saturation.
-                if GRAN == 1:
+                if GRAN == GRAN_ROW:
                     unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
                 if unclamped:
                     codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, False)
@@ -179,11 +182,11 @@ def _update_head(
             else:
                 codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
         else:
-            if GRAN == 1:
+            if GRAN == GRAN_ROW:
                 scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
                 _store(scale_base + rows * s_scale_row, scale, scale_mask)
                 scale_tile = scale[:, None]
-            elif GRAN == 2:
+            elif GRAN == GRAN_HEAD:
                 scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
                 tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
                          mask=_and(scale_mask, rows == 0))

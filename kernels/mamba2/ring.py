@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..common import codec, exact_dot
+from ..common.constants import BF16, FP32, GRAN_BLOCK32, GRAN_HEAD, GRAN_NONE, GRAN_ROW, INT8
 from ..common.softplus import softplus
 
 
@@ -56,17 +57,17 @@ def load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, h
     head = slot.to(tl.int64) * nheads + h
     codes = tl.load(codes_ptr + head * headdim * dstate + rows[:, None] * dstate + cols[None, :], mask=mask, other=0)
     if AS_BF16:
-        tl.static_assert(GRAN != 3)
+        tl.static_assert(GRAN != GRAN_BLOCK32)
         values = exact_dot.bf16_codes(codes, DTYPE, HW)
     else:
         values = codec.decode(codes, DTYPE, HW)
-    if GRAN == 1:
+    if GRAN == GRAN_ROW:
         row_scale = tl.load(scale_ptr + head * headdim + rows, mask=rows < headdim, other=1.0)
-    elif GRAN == 2:
+    elif GRAN == GRAN_HEAD:
         row_scale = tl.zeros([BLOCK_P], tl.float32) + tl.load(scale_ptr + head)
     else:
         row_scale = tl.full([BLOCK_P], 1.0, tl.float32)
-    if GRAN == 3:
+    if GRAN == GRAN_BLOCK32:
         NB: tl.constexpr = BLOCK_N // 32
         blocks = tl.arange(0, NB)
         scale = tl.load(scale_ptr + (head * headdim + rows[:, None]) * (dstate // 32) + blocks[None, :],
@@ -82,7 +83,7 @@ def load_state(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim,
     """fp32 values ``code · scale`` of one head's ``[BLOCK_P, BLOCK_N]`` tile."""
     values, row_scale = load_scaled_codes(codes_ptr, scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                                           DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
-    if GRAN == 1 or GRAN == 2:
+    if GRAN == GRAN_ROW or GRAN == GRAN_HEAD:
         values = values * row_scale[:, None]
     return values
 
@@ -94,7 +95,7 @@ def _grid_values(v, u, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
         g = codec.round_sr(v, u, DTYPE)
     else:
         g = codec.round_rne(v, DTYPE)
-    if DTYPE == 5:
+    if DTYPE == INT8:
         g = tl.where(g == 0.0, 0.0, g)  # int8 has no −0: a code 0 decodes to +0
     return g
 
@@ -118,27 +119,27 @@ def store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, n
         u = codec.uniform16(noise)
     else:
         u = 0.0
-    if DTYPE == 0:
+    if DTYPE == FP32:
         # fp32 stores the values as they are, as the reference does (formats.quantize): no
         # clamp to ±FLT_MAX, which was two instructions per element of the flush loop.
         codes = values
         stored = values
-    elif GRAN == 0 and STOCHASTIC and DTYPE == 1:
+    elif GRAN == GRAN_NONE and STOCHASTIC and DTYPE == BF16:
         # bf16 rounds on the bits (codec.encode_sr16), and its codes are the top halves of fp32s.
         codes = codec.encode_sr16(values, 1.0, noise, QMAX, DTYPE, HW)
         stored = (codes.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif GRAN == 0:
+    elif GRAN == GRAN_NONE:
         saturated = codec.saturate(values, QMAX)
         codes = codec.encode(saturated, u, DTYPE, STOCHASTIC, HW)
         stored = _grid_values(saturated, u, DTYPE, STOCHASTIC)
     else:
         head = slot.to(tl.int64) * nheads + h
         magnitude = tl.where(mask, tl.abs(values), 0.0)
-        if GRAN == 1:
+        if GRAN == GRAN_ROW:
             scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
             tl.store(scale_ptr + head * headdim + rows, scale, mask=rows < headdim)
             scale_tile = tl.broadcast_to(scale[:, None], [BLOCK_P, BLOCK_N])
-        elif GRAN == 2:
+        elif GRAN == GRAN_HEAD:
             scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
             tl.store(scale_ptr + head, scale)
             scale_tile = tl.full([BLOCK_P, BLOCK_N], 0.0, tl.float32) + scale

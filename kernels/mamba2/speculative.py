@@ -40,12 +40,13 @@ import torch
 
 from ..common import codec, exact_dot, gpu, sizes
 from ..common.launch import CompiledLaunch, register_cap
+from . import speculative_kernels
 from .conventional import tile_config
 from .speculative_kernels import (_commit_kernel, _copy_accepted_kernel, _drafts_kernel, _group_BC_kernel,
                                   _verify_flush_kernel, _verify_flushed_rows_kernel, _verify_kernel)
 
-ERROR_NO_VERIFY = 1
-ERROR_ACCEPTED_RANGE = 2
+ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
+ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
 
 # Programs per multiprocessor of the kernels that walk the flush list (each for one head and
 # P-tile): the fold, and the flushed rows' drafts. More (64/16, 256/64) were no faster on the H200

@@ -12,6 +12,10 @@ from ..common.softplus import softplus
 from .ring import fold_ring, head_tile, load_scaled_codes, load_state, process_dt, slot_of, store_state
 
 
+# Bits of ``commit_errors`` the commit kernel sets.
+ERROR_NO_VERIFY = tl.constexpr(1)
+ERROR_ACCEPTED_RANGE = tl.constexpr(2)
+
 @triton.jit
 def _store_unserved(y_row_ptr, stride_y_t, slot, mask_p, T: tl.constexpr, BLOCK_P: tl.constexpr):
     """The T outputs of a row the kernel does not serve: padding (slot < 0) outputs zeros, an
@@ -318,7 +322,8 @@ def _commit_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, errors_ptr, b
     n = tl.load(cursor_ptr + slots, mask=ok, other=0)
     tl.store(cursor_ptr + slots, n + accepted, mask=ok)
     tl.store(drafts_ptr + slots, tl.zeros([BLOCK_R], tl.int32), mask=ok)
-    bits = tl.max(no_verify.to(tl.int32), axis=0) * 1 + tl.max(out_of_range.to(tl.int32), axis=0) * 2
+    bits = (tl.max(no_verify.to(tl.int32), axis=0) * ERROR_NO_VERIFY
+            + tl.max(out_of_range.to(tl.int32), axis=0) * ERROR_ACCEPTED_RANGE)
     if bits != 0:
         tl.atomic_or(errors_ptr, bits)
 
