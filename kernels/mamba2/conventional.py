@@ -1,4 +1,5 @@
-"""Conventional Mamba-2 decode step over any state format (DESIGN.md §1–2, §4), and its launcher.
+"""Conventional Mamba-2 decode step over any state format: what a program of the kernel
+(:mod:`.conventional_kernel`) does, and its launcher.
 
 One program owns a ``[BLOCK_P, BLOCK_N]`` tile of one (row of the batch, head): ``BLOCK_P``
 rows of headdim by the whole (padded) dstate, so row and block32 scales are computed inside the
@@ -9,7 +10,7 @@ Per tile: load codes and scales, dequantize (``code · scale``), update in fp32
 (``a·S + (dt·x) ⊗ B``, the references' order), output from the unrounded state, re-quantize
 with :mod:`.codec` and store codes and scales in place. ``FUSED`` (the GPU's default) reorders
 row and head scales' arithmetic for fewer instructions, within an ulp of that order
-(kernels/README.md). A row whose slot index is negative or
+(kernels/mamba2/README.md). A row whose slot index is negative or
 ``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
 for CPU tensors) outputs NaN and touches no slot.
 """
@@ -35,7 +36,7 @@ OUT_FP16 = conventional_kernel.OUT_FP16.value
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Code-path choices of the kernel (kernels/README.md), timed by ``bench.run_gpu --sweep``.
+    """Code-path choices of the kernel (kernels/mamba2/README.md), timed by ``bench.run_gpu --sweep``.
 
     ``even``: unmasked state tiles when ``headdim % BLOCK_P == 0`` and ``dstate == BLOCK_N``
     (else ignored). ``heads_per_prog``: heads of one group per program, a loop (reduced to the
@@ -55,18 +56,10 @@ class Variant:
     sr_rounds: int = 10
 
 
-# The variant the launcher runs, by (state bytes per element, stochastic rounding); flip entries
-# to a sweep's winner. The four-word noise stream halved the time of +sr formats on the H200
-# (int8:row+sr 594 µs against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of
-# 86f85bd); eight 16-bit draws per Philox4x32-7 call cut them again (int8:row+sr 365.6 µs against
-# 502.9, fp8_e4m3:row+sr 442.4 / 572.5, fp16+sr 418.0 / 540.4, bf16+sr 586.7 / 633.0;
-# sweeps-2026-12-02-k.log run 1), and rounding int8 and bf16 on the bits once more (int8:row+sr
-# 329–331, bf16+sr 478.5–479.2; run 2). At today's 16 × 128 two-warp tile, 16-bit states with
-# round to nearest take even + 2 heads per program + prefetch: fp16 298.9 µs against 331.0 for the
-# plain path (H200 sweep of d0c2baa, sweep-conventional-d0c2baa.json), and 320.4 against 331.6
-# (bf16 318.7 / 336.1) in the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among
-# head counts moves between machines, the gain over the plain path does not (bench/README.md).
-# The +sr noise stream every default launch draws (eight 16-bit draws per Philox4x32-7 call).
+# Tuning constants below: the fastest in H200 sweeps (figures in kernels/mamba2/README.md).
+
+# The variant the launcher runs, by (state bytes per element, stochastic rounding); the +sr
+# formats draw the SR_NOISE8 stream.
 _SR16 = dict(sr_stream=codec.SR_NOISE8, sr_rounds=7)
 DEFAULT_VARIANTS = {
     (4, False): Variant(),
@@ -77,43 +70,12 @@ DEFAULT_VARIANTS = {
 }
 
 
-# Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
-# about the same bytes for other dstate); measured on an H200 (bench/README.md, the tile table
-# of the 7b54e1a run). The 16- and 8-bit kernels are bound by instruction issue (ncu: 0.80 warps issued per
-# scheduler per cycle for int8:row, DRAM 27 %), so the tile sets how much of a program's fixed
-# work each element pays and how many warps hide the rest: at batch 256, fp16 took 381 µs with
-# 64 × 128 and 8 warps, 320 with 32 × 128 and 4, 308 with 16 × 128 and 2 (bf16 313, 315, 315);
-# 32 × 128 with 2 warps took fp8_e4m3:row from 291 to 266 and int8:row from 338 to 329. With
-# stochastic rounding (more registers per element) those tiles were slower, so +sr formats keep
-# the earlier ones. fp32 (one run, kernel time at batch 256, bench.breakdown): 16 × 128 with 2
-# warps 549.2 µs, with 4 581.5, with 8 574.6; 8 × 128 with 2 573.4, with 4 646.3; 32 × 128 with 4
-# 598.7, with 8 589.1.
+# (rows of headdim at dstate 128, warps) of a tile by state bytes per element: block32 and head
+# scales, the interpreter and the drafts kernel.
 _TILE_ROWS = {4: (16, 2), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
-# The GPU launches of this kernel, by (dtype code, stochastic), for unscaled and row-scaled
-# formats (block32 and head scales, the interpreter and the drafts kernel take the tables above).
-# With fewer instructions per element the fused 8-bit path gains from more elements per thread
-# (amortizing a program's fixed work) where registers allow, and one-warp programs suit the 16-
-# and 32-bit states too. Batch 256 (bench/README.md, run of d0ed298, and sweeps-2026-12-02-g.log):
-# fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at 32 × 128 with 2 and 212–224 at
-# 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232); int8:row without prefetching
-# (HEAD_LOOP_CONFIGS below; its int8 → fp32 conversions and packing take more registers) 239–249 at
-# 16 × 128 with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; fp32 524 at
-# 16 × 128 with 1 warp against 545–550 with 2; fp16 / bf16 307 / 305–307 at 16 × 128 with 1 warp
-# against 321–326 with 2 (32 × 128 with 1: 310 / 389); with +sr, 16 × 128 with 2 warps took
-# int8:row+sr 504 µs, fp8_e4m3:row+sr 580, fp16+sr 542 and bf16+sr 633 against 522 and 598 at
-# 32 × 128 with 4 and 553 and 642 at 64 × 128 with 8. With the 16-bit noise rounded on the bits
-# (codec.encode_sr16; 72 registers at 16 × 128 with 2 warps) int8:row+sr took 310.8–313.7 µs at
-# 32 × 128 with 2 warps against 328.9–331.4 at 16 × 128 (16 × 128 with 1: 313.2–319.1); bf16+sr
-# 478.5–479.2 at 16 × 128 with 2 against 549 with 1 and 789 at 32 × 128 with 2; fp8_e4m3:row+sr
-# with floor(q + u) in one addition (codec.encode_sr16) 345.9–346.4 at 16 × 128 with 1 warp
-# against 366.8–369.5 with 2 and 349.0–351.4 at 32 × 128 with 2 (sweeps-2026-12-02-k.log runs 1–3, 7).
-# Those +sr tiles were timed with the seed a constant; a caller's seed is a runtime argument
-# (since 0494d75), and then triton 3.6 gives bf16+sr at 16 × 128 with 2 warps 123 registers
-# instead of 80 (`bench.sass_count`), 564 µs against 478. Retimed so (sweeps-2026-12-03-o.log
-# runs 1–3): bf16+sr 514–520 µs at 8 × 128 with 1 warp, 428.2 / 431.4 capped at 96 registers
-# (REGISTER_CAPS below), 444.7 at 128; the other +sr formats were no faster at any plain tile
-# (HEAD_LOOP_CONFIGS below has what was).
+# The same for this kernel's GPU launches of unscaled and row-scaled formats, by (dtype code,
+# stochastic): fewer instructions per element pay for more elements per thread.
 _TILE_ROWS_BY_DTYPE = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
     (codec.INT8, True): (32, 2), (codec.FP8_E4M3, True): (16, 1),
@@ -122,11 +84,8 @@ _TILE_ROWS_BY_DTYPE = {
 }
 
 
-# Register caps (ptxas .maxnreg) of the GPU launches at the tiles above, by (dtype code,
-# stochastic), for unscaled and row-scaled formats; absent: ptxas's choice, which a cap can make
-# worse: ptxas spends what it allows (fp16+sr's 80-register kernel took 483.5–486.4 µs under a
-# 128 cap against 431–441 without, sweeps-2026-12-03-o.log run 8). HEAD_LOOP_CONFIGS carry
-# their own.
+# Register caps (ptxas .maxnreg) of those GPU launches; absent: ptxas's choice, which a cap can
+# make slower (ptxas spends what it is allowed). HEAD_LOOP_CONFIGS carry their own.
 REGISTER_CAPS = {(codec.BF16, True): 96}
 
 
@@ -151,24 +110,8 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
     return block_p, block_n, warps
 
 
-# Programs that loop over heads of one group (B, C and the slot loaded once), by (dtype code,
-# stochastic), for unscaled and row-scaled formats on a GPU.
-# int8 row codes with round to nearest: 16 heads, the next head's codes, scale and inputs loaded
-# while one head is updated (``prefetch``), in 32 × 128 one-warp tiles (255 registers, triton
-# 3.6). H200, batch 256 (bench/README.md, run of 48e494d, and sweeps-2026-12-02-h.log):
-# 193.2–193.9 µs against 248.6–249.6 for the 16 × 128 tile without it; batch 64 54.0–54.2
-# against 65.5–65.6; nemotron-3-nano-30b-a3b (8 heads per group) batch 256 103.7 against
-# 125.0–127.1. 8 heads per program took 196.5–197.3, 32 × 128 with 2 warps 278.9–279.0.
-# fp8_e4m3:row is not faster so (192.1–194.0 against 188.0–189.0), nor int8 at batch 16 (a
-# 16-row tile, 4 heads: 21.4–21.8 against 18.6–18.9), so these apply from
-# HEAD_LOOP_MIN_PROGRAMS programs up (batch 64 of the 8B layer).
-# With stochastic rounding, 4 heads in 8 × 128 (16-bit) or 16 × 128 (int8) one-warp tiles, each
-# capped at 128 registers, three runs each at batch 256 against the tables' tiles
-# (sweeps-2026-12-03-o.log, runs 6–7): bf16+sr 396.8–403.3 µs against 423.8–430.8, fp16+sr
-# with the next head prefetched 389.4–393.2 against 431.3–441.4, int8:row+sr 308.4–309.7
-# against 322.0–326.8. Uncapped, the loops took 471.5–471.9 (bf16+sr), 403.5–408.7 (fp16+sr)
-# and 311.7–314.2 µs (int8:row+sr). fp8_e4m3:row+sr found nothing faster (346.6 at its tile; 2,
-# 4 or 8 heads 350.3–1245.3). Entries: (rows, warps, Variant, register cap or None).
+# GPU programs looping over heads of one group (B, C, slot loaded once), by (dtype code, stochastic):
+# (rows, warps, Variant, register cap or None), from HEAD_LOOP_MIN_PROGRAMS programs up.
 HEAD_LOOP_CONFIGS = {
     (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True), None),
     (codec.INT8, True): (16, 1, Variant(even=True, heads_per_prog=4, **_SR16), 128),
@@ -198,7 +141,7 @@ def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: in
     return block_p, block_n, num_warps, variant, maxnreg
 
 
-# Eager GPU launches through the compiled kernel (kernels/launch.py).
+# Eager GPU launches through the compiled kernel (common/launch.py).
 _launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
 
 
@@ -226,7 +169,7 @@ def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
-        # 16-row override gave wrong codes on the H200, run 86f85bd).
+        # 16-row override gave wrong codes on the H200).
         block_p = max(block_p, sizes.next_power_of_2(headdim))
     variant = variant or config_variant
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)

@@ -99,7 +99,7 @@ def _update_head(
     """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
     NB: tl.constexpr = BLOCK_N // 32
     # FUSED row and head scales: the old scale joins the decay in one factor per row (one
-    # rounding fewer than the references' order, kernels/README.md).
+    # rounding fewer than the references' order, kernels/mamba2/README.md).
     FOLD_SCALE: tl.constexpr = FUSED and (GRAN == GRAN_ROW or GRAN == GRAN_HEAD)
     values = codec.decode(codes, DTYPE, HW)  # [BLOCK_P, BLOCK_N]
     if not FOLD_SCALE:

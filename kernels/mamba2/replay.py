@@ -1,6 +1,6 @@
-"""Replay decode (DESIGN.md §3, §3.1): a step kernel for every row and a flush kernel for the
-rows whose ring became full, plus their launcher. Derivations and traffic: kernels/README.md,
-"Replay".
+"""Replay decode's launcher: a step kernel for every row and a flush kernel for the rows whose
+ring became full (the kernels: :mod:`.replay_kernels`). Derivations and traffic:
+kernels/mamba2/README.md, "Replay".
 
 Step kernel, grid ``(nheads × P-tiles, batch)``: reads the slot's cursor ``n`` (tokens in the
 ring), appends the token at ``n``, and, unless the ring is now full, writes the output from the
@@ -33,90 +33,36 @@ from ..common.launch import CompiledLaunch, register_cap
 from .replay_kernels import _replay_flush_kernel, _replay_step_grouped_kernel, _replay_step_kernel
 
 
-# (rows of headdim, warps) of the per-head step kernel's tile, by bytes per element of the state
-# it reads. The rows were chosen when this kernel also served batch 256, where the step is bound
-# by instruction issue (ncu on the H200: 0.84 warps issued per scheduler per cycle, DRAM 25 %),
-# so a tile is as fast as its instructions per state element: with an fp8 read copy 64 rows
-# took the normal step from 173.6 to 103.3 µs (32 × 1: 122.2; 64 × 4: 182.0); with an fp32
-# checkpoint 32 rows stayed fastest (265.9 against 300.4 and 279.0). It now serves fewer than
-# GROUPED_MIN_BATCH rows, where one warp per program beat two in every case measured (H200,
-# whole flush cycles, bench/results/sweeps-2026-12-02-e.log run 3: fp8 read copy batch 1 / 16 /
-# 32 4.8 / 13.9 / 22.9 µs against 5.0 / 14.4 / 25.1, int8 5.1 / 14.8 / 24.9 against
-# 5.2 / 14.7 / 26.4, no read copy 5.9 / 31.1 / 54.4 against 6.5 / 33.3 / 57.7; bf16 read copy,
-# run 5, batch 1 / 16: 5.0 / 16.8 against 5.2 / 18.7). Below STEP_MIN_PROGRAMS programs the
-# tile is split down to 32 rows, so a small batch still spreads over the GPU (batch 1, fp8: 6.2
-# µs with 64-row tiles against 5.6–5.9 with 32).
+# Tuning constants below: the fastest in H200 sweeps (figures in kernels/mamba2/README.md).
+
+# (rows of headdim, warps) of the per-head step kernel's tile by state bytes per element; below
+# STEP_MIN_PROGRAMS programs the tile is split down to 32 rows, to spread a small batch.
 STEP_TILE = {4: (32, 1), 2: (32, 1), 1: (64, 1)}
 STEP_MIN_PROGRAMS = 1024
-# Whether the per-head step kernel loads the state tile before the cursor arrives (True) or
-# after it, skipping it for a flushing row (False), by bytes per element of the state it reads;
-# below STATE_FIRST_BELOW_BATCH rows always before. H200, batch 256, one run: an fp8 read copy's
-# whole cycle took 166.5 µs after against 175.8 before (flush step 934.1 / 1018.4, normal step
-# 114.3 / 112.8); an fp32 checkpoint's normal step 305.5 after against 274.7 before, where the
-# flush step saves only what the state read costs once per cycle. 16-bit read copies were not
-# measured and keep the earlier order. fp8, one run of f003e92: batch 16 17.2 µs after against
-# 18.2 before, batch 1 6.2 against 5.8 (a lone program waits for each round trip).
+# Whether the per-head step kernel loads the state tile before the cursor (True) or after it,
+# skipping it for a flushing row, by state bytes per element; before below STATE_FIRST_BELOW_BATCH rows.
 STATE_FIRST = {4: True, 2: True, 1: False}
 STATE_FIRST_BELOW_BATCH = 16
-# Step kernel choice (launch_replay_decode's heads_per_program): 0 = one head per program;
-# k >= 1 = the grouped kernel with up to k heads per program. In the H200 run of a64908d (whole
-# flush cycles, batch 256) the per-head kernel won with every read copy (fp8 176.5 µs against
-# 256.9 grouped, int8 185.3 / 264.4, bf16 checkpoint + fp8 199.5 / 280.1; rings of 8 and 32
-# tokens 228.5 / 259.6 and 185.0 / 250.5) and the grouped kernel without one (342.9 against
-# 373.6; batch 64: 98.2 against 105.8; batch 16: 39.6 against 36.4; batch 1: 19.2 against 6.4).
-# The grouped kernel's programs then had 4 warps. With one warp (below) it won with a read copy
-# too (run of 9528325, batch 256, 8 heads: fp8 143.4 µs against 183.3 per-head, bf16 checkpoint
-# + fp8 149.1 / 188.3, int8 162.0 / 187.1, rings of 8 and 32 tokens 194.4 / 222.7 and
-# 139.5 / 180.6; no read copy 302.6 / 360.3; batch 16: fp8 21.2 / 17.4, no read copy 35.4 / 35.9;
-# batch 1: 14.3 / 6.1 and 19.3 / 6.5). So the grouped kernel is the default from
-# GROUPED_MIN_BATCH rows up, whatever the read copy, and the per-head kernel below.
-# Its warps, heads per program and head-loop stages (kernel time of a whole cycle at batch 256,
-# no read copy, bench.breakdown, one session of 5e58c00 runs): 1 warp, 4 heads, 2 stages 303.1 µs
-# per step; 1 warp with 8 heads 305.9 (1 / 3 stages 306.8 / 309.8), 16 heads 309.8; 2 warps
-# 315.5 (4 heads 308.6); 4 warps 328.3; 8 warps 411.3. Batch 64, 8 heads: 1 warp 94.6 µs, 2
-# warps 98.3, per-head kernel 104.9; batch 16: 34.8 against 35.3 for the per-head kernel.
+# Default step kernel: the grouped one (DEFAULT_HEADS_PER_PROGRAM heads, GROUPED_WARPS warps,
+# GROUPED_STAGES head-loop stages) from GROUPED_MIN_BATCH rows up, the per-head one below.
 DEFAULT_HEADS_PER_PROGRAM = 4
 GROUPED_MIN_BATCH = 64
 GROUPED_WARPS = 1
 GROUPED_STAGES = 2
-# The flush kernel's tile, (rows of headdim, warps), and its programs per multiprocessor, by
-# whether it writes a read copy. Its work is dealt as (listed row, head, P-tile) items over a
-# grid of that many programs per multiprocessor, set to what fits at once (registers and shared
-# memory of the tile as the H200's triton 3.6 compiles it: 149 registers × 64 threads, 6 per
-# multiprocessor; 113 × 128 threads, 4), so the grid is one wave of equal programs. H200, batch
-# 256, flush step (bench/results/sweeps-2026-12-02-e.log run 4): without a read copy 32 × 2 with
-# 6 programs took 648.9 µs against 683.6 for 32 × 4 with 4 (16 × 2 with 8: 758.4; 16 × 4 with 7:
-# 785.3; 16 × 1 with 13: 857.6; 32 × 2 with 8, more than fit: 857.7); with an fp8 read copy 32 × 4
-# with 4 took 840.3 against 926.9–1618.9 for the others (32 × 2 spilled 110 registers).
-# Before items, each program walked the list for one (head, P-tile), so programs came in
-# multiples of the 256 columns: 512, the fp8 flush step 922.9 µs and its whole cycle 140.4
-# against 135.4 with items (no read copy 297.9 against 296.5, same tile). A per-head scale's
-# whole-head tile (8 warps; not timed with items) keeps the 4 programs per multiprocessor it had
-# before. The kernel also runs on every normal step, to move the cursors on, where its cost
-# grows with its programs (16 per multiprocessor took fp8 cycles from 141.4 to 143.3 µs against
-# 4, sweeps-2026-12-01-c.log). The counts hold for the registers named above: a compiler that
-# gives a tile more registers fits fewer programs, and a grid past one wave is slower.
+# The flush kernel's tile (rows, warps) and programs per multiprocessor, by whether it writes a
+# read copy: one wave of as many programs as fit (a per-head scale's whole-head tile: its own count).
 FLUSH_TILE = {False: (32, 2), True: (32, 4)}
 FLUSH_PROGRAMS_PER_SM = {False: 6, True: 4}
 WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM = 4
-# Register caps that keep FLUSH_PROGRAMS_PER_SM resident whatever the formats and ring length
-# (65536 registers per multiprocessor: 6 × 64 threads × 168, 4 × 128 × 128): the fp32 + fp8 L16
-# kernels need less (149, and 113 since a flush loads no read copy: ncu, bench/README.md run of
-# 0628dd4), but a 32-token ring, a bf16 checkpoint or a bf16 read copy
-# take 135–168 (sm_90 listings, `bench.sass_count`), and one program fewer per multiprocessor
-# makes the one-wave grid 1.33 waves.
+# Register caps keeping FLUSH_PROGRAMS_PER_SM resident whatever the formats and ring length
+# (65536 registers per multiprocessor: 6 × 64 threads × 168, 4 × 128 × 128).
 FLUSH_MAXNREG = {False: 168, True: 128}
-# Software-pipeline stages of the flush kernel's loop over items, by whether it writes a read
-# copy (None: the compiler's default). H200, batch 256, every row flushing: without a read copy
-# 3 stages took 729 µs against 914 (2: 785; bench/README.md, runs of 2026-12-01); with an fp8
-# read copy they were slower, with items 1318.8 (2: 1280.7) against 840.3 (run 4), and at the
-# no-read shape too (32 × 2, 6 per multiprocessor, 168 registers without spills: 909–911
-# against 797–804, run 5 of bench/results/sweeps-2026-12-02-i.log; again in run 2 of
-# sweeps-2026-12-03-q.log).
+# Software-pipeline stages of the flush kernel's loop over items, by whether it writes a read copy
+# (None: the compiler's default).
 FLUSH_STAGES = {False: 3, True: None}
 
 
-# Eager GPU launches through the compiled kernels (kernels/launch.py).
+# Eager GPU launches through the compiled kernels (common/launch.py).
 _launch_step = CompiledLaunch(_replay_step_kernel)
 _launch_step_grouped = CompiledLaunch(_replay_step_grouped_kernel)
 _launch_flush = CompiledLaunch(_replay_flush_kernel)

@@ -48,7 +48,7 @@ def _replay_step_kernel(
         tl.store(y_ptrs, (tl.zeros([BLOCK_P], tl.float32) + bad).to(y_ptrs.dtype.element_ty), mask=mask_p)
     else:
         # Loads that do not depend on the cursor go first, so their latency overlaps its load.
-        # The state tile goes with them only where STATE_FIRST (kernels/README.md, "the state and
+        # The state tile goes with them only where STATE_FIRST (kernels/mamba2/README.md, "the state and
         # the cursor"); else it waits for the cursor, and a flushing row (n = L − 1) reads none.
         # Either way it is reduced to S·C at once, so it holds no registers through the ring work.
         mask = mask_p[:, None] & mask_n[None, :]
@@ -120,7 +120,7 @@ def _replay_step_grouped_kernel(
     """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
     ``(nheads / HEADS_PER_PROG × P-tiles, batch)``: slot, cursor, the ring's dts and B, and
     ``B_j · C`` are loaded or computed once for all the program's heads, and a pipelined loop
-    over the heads streams their state tiles and x rings (kernels/README.md, "grouped step")."""
+    over the heads streams their state tiles and x rings (kernels/mamba2/README.md, "grouped step")."""
     pdl.grid_dependency(PDL)
     chunk = tl.program_id(0) // NUM_P_TILES
     p_tile = tl.program_id(0) % NUM_P_TILES

@@ -1,6 +1,7 @@
-"""Speculative decoding on replay (DESIGN.md §3.2): verify T draft tokens per row without writing
-state, commit by moving the cursor; and the per-draft-state baseline serving engines use today.
-Derivations and traffic: kernels/README.md, "Speculative decoding".
+"""Speculative decoding's launchers (the kernels: :mod:`.speculative_kernels`): verify T draft
+tokens per row on replay state without writing state, commit by moving the cursor; and the
+per-draft-state baseline of serving engines. Derivations and traffic: kernels/mamba2/README.md,
+"Speculative decoding".
 
 Verify, four launches that keep every decision on the device:
 
@@ -48,36 +49,30 @@ from .speculative_kernels import (_commit_kernel, _copy_accepted_kernel, _drafts
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
 ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
 
-# Programs per multiprocessor of the kernels that walk the flush list (each for one head and
-# P-tile): the fold, and the flushed rows' drafts. More (64/16, 256/64) were no faster on the H200
-# (batch 256, T = 4: fold 183–291 µs against 177–246). The fold's count is rounded down
-# (flush_programs: 8 × 256 programs, fold 97.3 / 121.9 µs without / with an fp8 read
-# copy, against 98.9 / 124.2 rounded up to 9 × 256); the drafts' is rounded up (3 × 256: 88.1 µs
-# without a read copy; 2 × 256 took 146.0).
+# Tuning constants below: the fastest in H200 sweeps (figures in kernels/mamba2/README.md).
+
+# Programs per multiprocessor of the kernels walking the flush list: the fold (rounded down to
+# whole waves by flush_programs) and the flushed rows' drafts (rounded up).
 FLUSH_PROGRAMS_PER_SM = 16
 FLUSHED_ROWS_PROGRAMS_PER_SM = 4
-# (rows of headdim, warps) of each kernel's tile, by the state it reads (fp32; "tensor": codes
-# exact in bf16, with the tensor-core S · C_i; other 8/16-bit states "narrow"), from the H200
-# sweeps at batch 256, T = 4 (bench/README.md, "Speculative tiles"). The tensor-core product
-# took the fp8 verify from 168 to 92 registers at 16 rows, so larger tiles pay: 64 rows × 2 warps
-# 169.6 µs, 32 × 1 172.5, 32 × 2 174.1, 16 × 1 202.4.
+# (rows of headdim, warps) of the verify tile by the state it reads: "tensor" (codes exact in bf16,
+# tensor-core S · C_i), other 8/16-bit states "narrow".
 VERIFY_TILE = {"fp32": (8, 1), "narrow": (16, 1), "tensor": (64, 2)}
 # Register caps (ptxas .maxnreg; None: its choice): more programs per multiprocessor against a
-# few spills. H200, batch 256, T = 4, fp8 read copy (bench/README.md, "Speculative tiles"):
-# verify at 96 registers 158.7–160.6 µs against 169.1 uncapped (80: 174.7); fold at 128 123.5
-# against 133.6 (96: 136.8); the flushed rows' drafts were no faster capped (96: 55.8 against 53.0).
+# few spills.
 VERIFY_MAXNREG = 96
 FLUSH_MAXNREG = 128
 FLUSHED_ROWS_MAXNREG = None
+# (rows of headdim, warps) of the fold's and the flushed rows' drafts' tiles.
 FLUSH_TILE = (32, 4)
 FLUSHED_ROWS_TILE = (16, 1)
-# S · C_i of states whose codes are exact in bf16 as one tensor-core product (exact_dot.py);
+# S · C_i of states whose codes are exact in bf16 as one tensor-core product (common/exact_dot.py);
 # False: one FMA dot per draft (the only way for fp32, fp16 and block32 states).
 TENSOR_DOT = True
 
 # ------------------------------------------------------------------------------------ launchers
 
-# Eager GPU launches through the compiled kernels (kernels/launch.py).
+# Eager GPU launches through the compiled kernels (common/launch.py).
 _launch_group_BC = CompiledLaunch(_group_BC_kernel)
 _launch_verify = CompiledLaunch(_verify_kernel)
 _launch_verify_flush = CompiledLaunch(_verify_flush_kernel)
