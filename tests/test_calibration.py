@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import hf_tiny
+from helpers import hf_tiny
 from qstate import profiles
 from qstate.calibration import CalibratedProfile, EmpiricalDecay
 from qstate.integrations import transformers as qt

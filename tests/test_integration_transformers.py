@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import hf_tiny
+from helpers import hf_tiny
 from qstate.integrations import transformers as qt
 from qstate.formats import StateFormat
 from qstate.integrations.decode_routes import ConventionalRoute, DecodeStep, ReplayRoute

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import hf_tiny
+from helpers import hf_tiny
 from qstate.analysis import model_drift
 from qstate.analysis.model_drift import SUMMARY_FIELDS, SchemeDrift
 from qstate.analysis.schemes import Scheme

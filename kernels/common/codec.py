@@ -7,6 +7,8 @@ is written up in ``kernels/README.md``. Every function below is ``@triton.jit`` 
 
 Codes of the formats (constexpr ``DTYPE``): ``FP32, BF16, FP16, FP8_E4M3, FP8_E5M2, INT8``.
 Scale granularity (constexpr ``GRAN``): ``GRAN_NONE, GRAN_ROW, GRAN_HEAD, GRAN_BLOCK32``.
+Noise streams of stochastic rounding (constexpr ``SR_STREAM``): ``SR_UNIFORM, SR_UNIFORM4,
+SR_NOISE8``. Here they are host ints; kernels compare the constexprs of :mod:`.constants`.
 
 Storage seen by a kernel (what :func:`storage_view` passes): fp32 → fp32, fp16 → fp16,
 bf16 → int16 (raw bits), fp8_e4m3 / fp8_e5m2 → uint8 (raw bits), int8 → int8.
@@ -82,17 +84,25 @@ import torch
 import triton
 import triton.language as tl
 
-FP32 = 0
-BF16 = 1
-FP16 = 2
-FP8_E4M3 = 3
-FP8_E5M2 = 4
-INT8 = 5
+from . import constants
 
-GRAN_NONE = 0
-GRAN_ROW = 1
-GRAN_HEAD = 2
-GRAN_BLOCK32 = 3
+# The codes as host ints (table keys, plan caches); the kernels compare the constexprs of
+# :mod:`.constants`, of which these are the values.
+FP32 = constants.FP32.value
+BF16 = constants.BF16.value
+FP16 = constants.FP16.value
+FP8_E4M3 = constants.FP8_E4M3.value
+FP8_E5M2 = constants.FP8_E5M2.value
+INT8 = constants.INT8.value
+
+GRAN_NONE = constants.GRAN_NONE.value
+GRAN_ROW = constants.GRAN_ROW.value
+GRAN_HEAD = constants.GRAN_HEAD.value
+GRAN_BLOCK32 = constants.GRAN_BLOCK32.value
+
+SR_UNIFORM = constants.SR_UNIFORM.value
+SR_UNIFORM4 = constants.SR_UNIFORM4.value
+SR_NOISE8 = constants.SR_NOISE8.value
 
 _DTYPE_CODES = {"fp32": FP32, "bf16": BF16, "fp16": FP16, "fp8_e4m3": FP8_E4M3, "fp8_e5m2": FP8_E5M2, "int8": INT8}
 _GRAN_CODES = {None: GRAN_NONE, "row": GRAN_ROW, "head": GRAN_HEAD, "block32": GRAN_BLOCK32}
@@ -196,7 +206,7 @@ def _pow2(exponent):
 
 @triton.jit
 def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.constexpr):
-    if GRAN == 3:
+    if GRAN == constants.GRAN_BLOCK32:
         # MX rule on floor(log2(amax)), read from the exponent bits. As in formats rule 2, zero and
         # NaN count as exponent -1 (torch.frexp's), inf as FLT_MAX's 127 (so the block saturates
         # at the largest scale), and subnormals fall under the -126 clamp.
@@ -235,9 +245,9 @@ def encode_saturating(v, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC:
     with round to nearest the clamp is left to it: two instructions per element fewer. A NaN
     then gives a NaN code, as the reference's clamp-then-cast does (the clamp's max/min would
     give −448). fp16 takes the same route through an inline ``cvt.rn.satfinite.f16x2.f32``."""
-    if HW and DTYPE == 3 and not STOCHASTIC:
+    if HW and DTYPE == constants.FP8_E4M3 and not STOCHASTIC:
         codes = encode(v, u, DTYPE, STOCHASTIC, HW)
-    elif HW and DTYPE == 2 and not STOCHASTIC:
+    elif HW and DTYPE == constants.FP16 and not STOCHASTIC:
         # The same for fp16 with cvt's .satfinite (PTX ISA 8.1): clamped to ±65504 after
         # rounding, the codes of clamping first; Triton's own cast has no such form.
         codes = tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [v],
@@ -250,7 +260,7 @@ def encode_saturating(v, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC:
 @triton.jit
 def encode_product(v, recip, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr,
                    HW: tl.constexpr, SATURATE: tl.constexpr):
-    if DTYPE == 5 and not STOCHASTIC:
+    if DTYPE == constants.INT8 and not STOCHASTIC:
         # 1.5·2**23 added inside the FMA rounds v·recip to an integer (nearest-even); the clamp
         # on the shifted value is the saturation (max/min return the number for a NaN: −QMAX).
         shifted = tl.fma(v, recip, tl.full(v.shape, 12582912.0, tl.float32))
@@ -266,7 +276,7 @@ def encode_product(v, recip, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHAS
 
 @triton.jit
 def encode_sr16(v, recip, r, QMAX: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
-    if DTYPE == 5:
+    if DTYPE == constants.INT8:
         # t = v·recip + 384 rounded once: in [384 − QMAX, 384 + QMAX] = [257, 511] after the clamp
         # (the saturation; max/min return the number for a NaN: −QMAX), a multiple of 2**-15, so
         # its low 15 mantissa bits plus 15 bits of noise carry into the integer part exactly as
@@ -274,11 +284,11 @@ def encode_sr16(v, recip, r, QMAX: tl.constexpr, DTYPE: tl.constexpr, HW: tl.con
         t = tl.fma(v, recip, tl.full(v.shape, 384.0, tl.float32))
         t = tl.minimum(tl.maximum(t, 384.0 - QMAX), 384.0 + QMAX)
         codes = ((t.to(tl.int32, bitcast=True) + (r >> 1) - 0x43C00000) >> 15).to(tl.int8)
-    elif DTYPE == 3 or DTYPE == 4:
-        MANT_BITS: tl.constexpr = 3 if DTYPE == 3 else 2
-        MIN_EXP: tl.constexpr = -6 if DTYPE == 3 else -14
+    elif DTYPE == constants.FP8_E4M3 or DTYPE == constants.FP8_E5M2:
+        MANT_BITS: tl.constexpr = 3 if DTYPE == constants.FP8_E4M3 else 2
+        MIN_EXP: tl.constexpr = -6 if DTYPE == constants.FP8_E4M3 else -14
         w = v * recip
-        if not (HW and DTYPE == 3):
+        if not (HW and DTYPE == constants.FP8_E4M3):
             # The GPU's e4m3 cast saturates (encode_saturating); the others need the clamp first.
             w = saturate(w, QMAX)
         # q = w / step is exact (a power of two) and q + u too for |q| >= 2**MANT_BITS (u a
@@ -288,7 +298,7 @@ def encode_sr16(v, recip, r, QMAX: tl.constexpr, DTYPE: tl.constexpr, HW: tl.con
         g = tl.floor(w * _pow2(-k) + uniform16(r)) * _pow2(k)
         codes = grid_to_codes(g, DTYPE, HW)
     else:
-        tl.static_assert(DTYPE == 1)
+        tl.static_assert(DTYPE == constants.BF16)
         bits = saturate(v * recip, QMAX).to(tl.int32, bitcast=True)
         # The magnitude plus noise in its 16 dropped bits moves up a step iff f + u >= 1 (f the
         # dropped fraction); for v < 0 the noise is complemented (65535 - r), so it moves up iff
@@ -334,15 +344,15 @@ def _bf16_bits_rne(v):
 
 @triton.jit
 def round_rne(v, DTYPE: tl.constexpr):
-    if DTYPE == 5:
+    if DTYPE == constants.INT8:
         g = _copy_sign(_rint_magnitude(tl.abs(v)), v)
-    elif DTYPE == 1:
+    elif DTYPE == constants.BF16:
         g = _bf16_bits_rne(v).to(tl.float32, bitcast=True)
-    elif DTYPE == 2:
+    elif DTYPE == constants.FP16:
         g = _float_grid_rne(v, 10, -14)
-    elif DTYPE == 3:
+    elif DTYPE == constants.FP8_E4M3:
         g = _float_grid_rne(v, 3, -6)
-    elif DTYPE == 4:
+    elif DTYPE == constants.FP8_E5M2:
         g = _float_grid_rne(v, 2, -14)
     else:
         g = v
@@ -376,16 +386,16 @@ def _bf16_bits_sr(v, u):
 
 @triton.jit
 def round_sr(v, u, DTYPE: tl.constexpr):
-    if DTYPE == 5:
+    if DTYPE == constants.INT8:
         whole = tl.floor(v)
         g = whole + ((v - whole) >= (1.0 - u)).to(tl.float32)
-    elif DTYPE == 1:
+    elif DTYPE == constants.BF16:
         g = _bf16_bits_sr(v, u).to(tl.float32, bitcast=True)
-    elif DTYPE == 2:
+    elif DTYPE == constants.FP16:
         g = _float_grid_sr(v, u, 10, -14)
-    elif DTYPE == 3:
+    elif DTYPE == constants.FP8_E4M3:
         g = _float_grid_sr(v, u, 3, -6)
-    elif DTYPE == 4:
+    elif DTYPE == constants.FP8_E5M2:
         g = _float_grid_sr(v, u, 2, -14)
     else:
         g = v
@@ -418,18 +428,18 @@ def _fp8_value(code, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.co
 
 @triton.jit
 def grid_to_codes(g, DTYPE: tl.constexpr, HW: tl.constexpr):
-    if DTYPE == 5:
+    if DTYPE == constants.INT8:
         codes = g.to(tl.int32).to(tl.int8)
-    elif DTYPE == 1:
+    elif DTYPE == constants.BF16:
         codes = (g.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
-    elif DTYPE == 2:
+    elif DTYPE == constants.FP16:
         codes = g.to(tl.float16)
-    elif DTYPE == 3:
+    elif DTYPE == constants.FP8_E4M3:
         if HW:
             codes = g.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             codes = _fp8_bits(g, 3, -6, 7).to(tl.uint8)
-    elif DTYPE == 4:
+    elif DTYPE == constants.FP8_E5M2:
         if HW:
             codes = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
@@ -443,15 +453,15 @@ def grid_to_codes(g, DTYPE: tl.constexpr, HW: tl.constexpr):
 def encode(v, u, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr):
     if STOCHASTIC:
         codes = grid_to_codes(round_sr(v, u, DTYPE), DTYPE, HW)
-    elif HW and DTYPE == 1:
+    elif HW and DTYPE == constants.BF16:
         codes = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    elif HW and DTYPE == 2:
+    elif HW and DTYPE == constants.FP16:
         codes = v.to(tl.float16)
-    elif HW and DTYPE == 3:
+    elif HW and DTYPE == constants.FP8_E4M3:
         codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    elif HW and DTYPE == 4:
+    elif HW and DTYPE == constants.FP8_E5M2:
         codes = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    elif DTYPE == 5:
+    elif DTYPE == constants.INT8:
         # 1.5·2**23 + v rounds to nearest-even; its low mantissa bits are then the integer.
         codes = ((v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
     else:
@@ -461,14 +471,14 @@ def encode(v, u, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr
 
 @triton.jit
 def decode(codes, DTYPE: tl.constexpr, HW: tl.constexpr):
-    if DTYPE == 1:
+    if DTYPE == constants.BF16:
         values = (codes.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif DTYPE == 3:
+    elif DTYPE == constants.FP8_E4M3:
         if HW:
             values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             values = _fp8_value(codes.to(tl.int32), 3, -6, 7)
-    elif DTYPE == 4:
+    elif DTYPE == constants.FP8_E5M2:
         if HW:
             values = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
         else:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import codec, sizes
+from .constants import BF16, FP32, GRAN_HEAD, GRAN_NONE, GRAN_ROW, SR_NOISE8, SR_UNIFORM, SR_UNIFORM4
 
 
 @triton.jit
@@ -30,9 +31,9 @@ def _quantize_heads_kernel(
     offsets = head * headdim * dstate + rows[:, None] * dstate + cols[None, :]  # [BLOCK_P, BLOCK_N]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     if STOCHASTIC:
-        if SR_STREAM == 0:
+        if SR_STREAM == SR_UNIFORM:
             u = codec.uniform(seed, offsets)
-        elif SR_STREAM == 1:
+        elif SR_STREAM == SR_UNIFORM4:
             quads = tl.arange(0, BLOCK_N // 4)
             counter = (head * headdim + rows[:, None]) * ((dstate + 3) // 4) + quads[None, :]  # [BLOCK_P, BLOCK_N // 4]
             u = codec.uniform4(seed, counter, SR_ROUNDS)
@@ -42,22 +43,22 @@ def _quantize_heads_kernel(
         tl.store(noise_ptr + offsets, u, mask=mask)
     else:
         u = 0.0
-    if DTYPE == 0:
+    if DTYPE == FP32:
         codes = x
         values = x
-    elif GRAN == 0:
-        if STOCHASTIC and SR_STREAM == 2 and DTYPE == 1:
+    elif GRAN == GRAN_NONE:
+        if STOCHASTIC and SR_STREAM == SR_NOISE8 and DTYPE == BF16:
             codes = codec.encode_sr16(x, 1.0, noise, QMAX, DTYPE, HW)  # as the conventional kernel does
         else:
             codes = codec.encode_saturating(x, u, QMAX, DTYPE, STOCHASTIC, HW)
         values = codec.decode(codes, DTYPE, HW)
     else:
         magnitude = tl.where(mask, tl.abs(x), 0.0)
-        if GRAN == 1:
+        if GRAN == GRAN_ROW:
             scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
             tl.store(scale_ptr + head * headdim + rows, scale, mask=rows < headdim)
             scale_tile = scale[:, None]
-        elif GRAN == 2:
+        elif GRAN == GRAN_HEAD:
             scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
             tl.store(scale_ptr + head, scale)
             scale_tile = scale
@@ -77,7 +78,7 @@ def _quantize_heads_kernel(
     tl.store(values_ptr + offsets, values, mask=mask)
 
 
-def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, sr_stream: int = 0,
+def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, sr_stream: int = codec.SR_UNIFORM,
                    sr_rounds: int = 10):
     """Quantize fp32 ``x (groups, headdim, dstate)`` in ``fmt`` (a StateFormat) with the codec.
 
@@ -85,8 +86,9 @@ def quantize_heads(x: torch.Tensor, fmt, *, seed: int = 0, hardware_casts=None, 
     ``fmt.scale_shape(x.shape)`` (None if unscaled), the uniform noise used (None unless
     ``+sr``) and the dequantized values. ``hardware_casts`` defaults to the device's.
     ``sr_stream``/``sr_rounds``: the noise stream, as the conventional kernel's ``Variant`` names it
-    (0: :func:`codec.uniform` keyed by the element's position; 1: :func:`codec.uniform4` keyed by
-    ``(group·headdim + row)·ceil(dstate/4) + col // 4``; 2: :func:`codec.noise8` keyed by
+    (``SR_UNIFORM``: :func:`codec.uniform` keyed by the element's position; ``SR_UNIFORM4``:
+    :func:`codec.uniform4` keyed by ``(group·headdim + row)·ceil(dstate/4) + col // 4``;
+    ``SR_NOISE8``: :func:`codec.noise8` keyed by
     ``(group·headdim + row)·ceil(dstate/8) + col // 8``).
     """
     groups, headdim, dstate = x.shape

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import codec
+from .constants import BF16, FP8_E4M3, FP8_E5M2, INT8
 
 _PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
@@ -40,14 +41,14 @@ def input_parts(dtype: torch.dtype) -> int:
 def bf16_codes(codes, DTYPE: tl.constexpr, HW: tl.constexpr):
     """Code values of a bf16 (raw int16 bits), fp8 (uint8 bits) or int8 tile, exact: bf16 on the
     GPU; fp32 under the interpreter, whose bf16 arithmetic and dots operate on raw bits."""
-    tl.static_assert((DTYPE == 1) | (DTYPE == 3) | (DTYPE == 4) | (DTYPE == 5))
+    tl.static_assert((DTYPE == BF16) | (DTYPE == FP8_E4M3) | (DTYPE == FP8_E5M2) | (DTYPE == INT8))
     if not HW:
         values = codec.decode(codes, DTYPE, HW)
-    elif DTYPE == 1:
+    elif DTYPE == BF16:
         values = codes.to(tl.bfloat16, bitcast=True)
-    elif DTYPE == 3:
+    elif DTYPE == FP8_E4M3:
         values = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-    elif DTYPE == 4:
+    elif DTYPE == FP8_E5M2:
         values = codes.to(tl.float8e5, bitcast=True).to(tl.bfloat16)
     else:
         values = codes.to(tl.bfloat16)

@@ -1,5 +1,5 @@
-"""The output gate ``y · z · σ(z)`` of Mamba-2, shared by the replay and speculative kernels
-(DESIGN.md §1).
+"""The output gate ``y · z · σ(z)`` of Mamba-2 (the references' ``y · silu(z)``), shared by the
+replay and speculative kernels.
 
 ``σ(z) = 1 / (1 + exp(−z))``, applied as one division ``(y · z) / (1 + exp(−z))``. On the GPU
 (``HW``) the division is ``div.approx.f32`` (a reciprocal and a product; at most 2 ulp for

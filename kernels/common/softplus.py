@@ -1,5 +1,5 @@
 """``softplus`` of Mamba-2's dt, shared by every decode kernel (identity above 20, as the
-references; DESIGN.md §1)."""
+references)."""
 
 import triton
 import triton.language as tl

@@ -1,4 +1,5 @@
-"""Conventional Mamba-2 decode step over any state format (DESIGN.md §1–2, §4), and its launcher.
+"""Conventional Mamba-2 decode step over any state format: what a program of the kernel
+(:mod:`.conventional_kernel`) does, and its launcher.
 
 One program owns a ``[BLOCK_P, BLOCK_N]`` tile of one (row of the batch, head): ``BLOCK_P``
 rows of headdim by the whole (padded) dstate, so row and block32 scales are computed inside the
@@ -9,7 +10,7 @@ Per tile: load codes and scales, dequantize (``code · scale``), update in fp32
 (``a·S + (dt·x) ⊗ B``, the references' order), output from the unrounded state, re-quantize
 with :mod:`.codec` and store codes and scales in place. ``FUSED`` (the GPU's default) reorders
 row and head scales' arithmetic for fewer instructions, within an ulp of that order
-(kernels/README.md). A row whose slot index is negative or
+(kernels/mamba2/README.md). A row whose slot index is negative or
 ``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
 for CPU tensors) outputs NaN and touches no slot.
 """
@@ -21,343 +22,45 @@ import functools
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from ..common import codec, pdl, sizes
 from ..common.launch import CompiledLaunch, register_cap
-from ..common.softplus import softplus
+from . import conventional_kernel
+from .conventional_kernel import _conventional_kernel
 
-OUT_FP32 = 0
-OUT_BF16 = 1
-OUT_FP16 = 2
+OUT_FP32 = conventional_kernel.OUT_FP32.value
+OUT_BF16 = conventional_kernel.OUT_BF16.value
+OUT_FP16 = conventional_kernel.OUT_FP16.value
 
-
-@triton.jit
-def _load(pointers, mask, other):
-    # mask None: an unmasked access (EVEN tiles), so nothing per element limits the vector width.
-    if mask is None:
-        values = tl.load(pointers)
-    else:
-        values = tl.load(pointers, mask=mask, other=other)
-    return values
-
-
-@triton.jit
-def _store(pointers, values, mask):
-    if mask is None:
-        tl.store(pointers, values)
-    else:
-        tl.store(pointers, values, mask=mask)
-
-
-@triton.jit
-def _and(mask, extra):
-    if mask is None:
-        combined = extra
-    else:
-        combined = mask & extra
-    return combined
-
-
-@triton.jit
-def _store_output(out_ptr, y, batch_row, head, rows, mask, s_out_batch, s_out_head,
-                  OUT_DTYPE: tl.constexpr, HW: tl.constexpr):
-    out_rows = out_ptr + batch_row * s_out_batch + head * s_out_head + rows
-    if OUT_DTYPE == 1:
-        tl.store(out_rows, codec.encode(y, 0.0, 1, False, HW), mask=mask)
-    else:
-        tl.store(out_rows, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_head(
-    state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head, batch_row, rows, cols, row_mask,
-    tile_mask, scale_mask, block_mask,
-    s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row,
-    s_x_batch, s_x_head, s_dt_batch, s_dt_head, s_z_batch, s_z_head,
-    GRAN: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The loads of one head, raw (codes, old scales, dt, x, z): nothing waits on them here, so
-    loading the next head before updating this one overlaps the two."""
-    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
-    codes = _load(state_tile, tile_mask, 0)  # [BLOCK_P, BLOCK_N]
-    if GRAN != 0:
-        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
-    if GRAN == 1:
-        old_scale = _load(scale_base + rows * s_scale_row, scale_mask, 0.0)  # [BLOCK_P]
-    elif GRAN == 2:
-        old_scale = _load(scale_base + rows * 0, scale_mask, 0.0)  # [BLOCK_P], one value
-    elif GRAN == 3:
-        block_ids = tl.arange(0, BLOCK_N // 32)
-        old_scale = _load(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], block_mask, 0.0)  # [BLOCK_P, NB]
-    else:
-        old_scale = tl.zeros([BLOCK_P], tl.float32)
-    dt = tl.load(dt_ptr + batch_row * s_dt_batch + head * s_dt_head)
-    x = tl.load(x_ptr + batch_row * s_x_batch + head * s_x_head + rows, mask=row_mask, other=0.0)
-    if HAS_Z:
-        z = tl.load(z_ptr + batch_row * s_z_batch + head * s_z_head + rows, mask=row_mask, other=0.0)
-    else:
-        z = tl.zeros([BLOCK_P], tl.float32)
-    return codes, old_scale, dt, x, z
-
-
-@triton.jit
-def _update_head(
-    codes, old_scale, dt, x, z, B, C, seed,
-    state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
-    slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
-    tile_mask, scale_mask, block_mask,
-    s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
-    DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
-    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
-    NB: tl.constexpr = BLOCK_N // 32
-    # FUSED row and head scales: the old scale joins the decay in one factor per row (one
-    # rounding fewer than the references' order, kernels/README.md).
-    FOLD_SCALE: tl.constexpr = FUSED and (GRAN == 1 or GRAN == 2)
-    values = codec.decode(codes, DTYPE, HW)  # [BLOCK_P, BLOCK_N]
-    if not FOLD_SCALE:
-        if GRAN == 1 or GRAN == 2:
-            values = values * old_scale[:, None]
-        elif GRAN == 3:
-            values = values * tl.reshape(tl.broadcast_to(old_scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
-
-    dt = dt.to(tl.float32)
-    if HAS_BIAS:
-        dt = dt + tl.load(dt_bias_ptr + head).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = softplus(dt)
-    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
-    x = x.to(tl.float32)
-
-    if FOLD_SCALE:
-        new_state = values * (decay * old_scale)[:, None] + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
-    else:
-        new_state = decay * values + (dt * x)[:, None] * B[None, :]  # [BLOCK_P, BLOCK_N]
-
-    y = tl.sum(new_state * C[None, :], axis=1)  # [BLOCK_P]
-    if HAS_D:
-        y = y + tl.load(D_ptr + head).to(tl.float32) * x
-    if HAS_Z:
-        z = z.to(tl.float32)
-        y = y * z * (1.0 / (1.0 + tl.exp(-z)))
-    y = tl.where(live_rows, y, tl.where(is_padding, 0.0, float("nan")))
-    _store_output(out_ptr, y, batch_row, head, rows, row_mask, s_out_batch, s_out_head, OUT_DTYPE, HW)
-
-    if STOCHASTIC:
-        element_rows = (slot * nheads + head) * headdim + rows  # [BLOCK_P]
-        if SR_STREAM == 0:
-            u = codec.uniform(seed, (element_rows[:, None] * dstate + cols[None, :]).to(tl.int32))
-        elif SR_STREAM == 1:
-            quads = tl.arange(0, BLOCK_N // 4)
-            counter = (element_rows[:, None] * ((dstate + 3) // 4) + quads[None, :]).to(tl.int32)
-            u = codec.uniform4(seed, counter, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
-        else:
-            noise = codec.row_noise8(seed, element_rows, dstate, BLOCK_N, SR_ROUNDS)  # [BLOCK_P, BLOCK_N]
-            u = codec.uniform16(noise)
-    else:
-        u = 0.0
-    # 16-bit noise (codec.encode_sr16): bf16 on the bits exactly as the reference, int8 and fp8
-    # within the FUSED path's license to differ in last bits.
-    SR16: tl.constexpr = STOCHASTIC and SR_STREAM == 2 and (DTYPE == 1 or (FOLD_SCALE and DTYPE >= 3))
-    if GRAN != 0:
-        scale_base = scale_ptr + slot * s_scale_slot + head * s_scale_head
-    if DTYPE == 0:
-        codes = new_state
-    elif SR16 and GRAN == 0:
-        codes = codec.encode_sr16(new_state, 1.0, noise, QMAX, DTYPE, HW)
-    elif GRAN == 0:
-        codes = codec.encode_saturating(new_state, u, QMAX, DTYPE, STOCHASTIC, HW)
-    else:
-        magnitude = tl.abs(new_state)
-        if FUSED and GRAN != 3:
-            if GRAN == 1:
-                amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
-            else:
-                amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-            scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
-            if GRAN == 1:
-                _store(scale_base + rows * s_scale_row, scale, scale_mask)
-                recip = recip[:, None]
-            else:
-                tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
-                         mask=_and(scale_mask, rows == 0))
-            if SR16:
-                codes = codec.encode_sr16(new_state, recip, noise, QMAX, DTYPE, HW)
-            elif DTYPE == 5 and not STOCHASTIC:
-                # Below the scales' upper clamp every |S·recip| rounds to at most QMAX, so a tile
-                # whose scales are all unclamped skips the per-element saturation.
-                if GRAN == 1:
-                    unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
-                if unclamped:
-                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, False)
-                else:
-                    codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
-            else:
-                codes = codec.encode_product(new_state, recip, u, QMAX, DTYPE, STOCHASTIC, HW, True)
-        else:
-            if GRAN == 1:
-                scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_P]
-                _store(scale_base + rows * s_scale_row, scale, scale_mask)
-                scale_tile = scale[:, None]
-            elif GRAN == 2:
-                scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
-                tl.store(scale_base + rows * 0, tl.zeros([BLOCK_P], tl.float32) + scale,
-                         mask=_and(scale_mask, rows == 0))
-                scale_tile = scale
-            else:
-                scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_P, NB, 32]), axis=2), QMAX, EMAX,
-                                              GRAN)
-                block_ids = tl.arange(0, NB)
-                _store(scale_base + rows[:, None] * s_scale_row + block_ids[None, :], scale, block_mask)
-                scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_P, NB, 32]), [BLOCK_P, BLOCK_N])
-            scaled = codec.divide_rn(new_state, scale_tile, codec.reciprocal_rn(scale_tile), HW)
-            codes = codec.encode_saturating(scaled, u, QMAX, DTYPE, STOCHASTIC, HW)
-    state_tile = state_ptr + slot * s_state_slot + head * s_state_head + rows[:, None] * s_state_row + cols[None, :]
-    _store(state_tile, codes, tile_mask)
-
-
-# seed: not specialized on its value, so that a fresh seed per call reuses the compiled kernel.
-@triton.jit(do_not_specialize=["seed"])
-def _conventional_kernel(
-    state_ptr, scale_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr,
-    slot_ptr, out_ptr, seed_ptr, seed,
-    nslots, headdim, dstate, heads_per_group, pad_slot_id,
-    s_state_slot, s_state_head, s_state_row,
-    s_scale_slot, s_scale_head, s_scale_row,
-    s_x_batch, s_x_head, s_dt_batch, s_dt_head, s_B_batch, s_B_group, s_C_batch, s_C_group,
-    s_z_batch, s_z_head, s_out_batch, s_out_head,
-    DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
-    EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN: tl.constexpr, HEADS_PER_PROG: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl.grid_dependency(PDL)
-    p_block = tl.program_id(0)
-    head0 = tl.program_id(1) * HEADS_PER_PROG
-    batch_row = tl.program_id(2)
-    nheads = tl.num_programs(1) * HEADS_PER_PROG
-
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + batch_row).to(tl.int64)
-    else:
-        slot = batch_row.to(tl.int64)
-    rows = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.arange(0, BLOCK_N)
-    # The slot as a [BLOCK_P] vector: the interpreter rejects masks built from scalar compares.
-    slot_rows = tl.zeros([BLOCK_P], tl.int64) + slot
-    is_padding = (slot_rows < 0) | (slot_rows == pad_slot_id)  # [BLOCK_P]
-    row_mask = rows < headdim
-    live_rows = row_mask & (slot_rows >= 0) & (slot_rows != pad_slot_id) & (slot_rows < nslots)
-    col_mask = cols < dstate
-
-    # Heads of one program share a group (the launcher makes HEADS_PER_PROG divide heads_per_group).
-    group = head0 // heads_per_group
-    B = tl.load(B_ptr + batch_row * s_B_batch + group * s_B_group + cols, mask=col_mask, other=0.0).to(tl.float32)
-    C = tl.load(C_ptr + batch_row * s_C_batch + group * s_C_group + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if STOCHASTIC and SEED_FROM_PTR:
-        seed = tl.load(seed_ptr)
-
-    if EVEN:
-        # Whole tiles: no per-element masks. A padded or out-of-range row writes its output here
-        # and skips the state work at program level instead.
-        tile_mask = None
-        scale_mask = None
-        block_mask = None
-        dead_rows = row_mask & ((slot_rows < 0) | (slot_rows == pad_slot_id) | (slot_rows >= nslots))
-        for offset in tl.static_range(HEADS_PER_PROG):
-            _store_output(out_ptr, tl.where(is_padding, 0.0, float("nan")), batch_row, head0 + offset, rows, dead_rows,
-                          s_out_batch, s_out_head, OUT_DTYPE, HW)
-        run = (slot >= 0) & (slot != pad_slot_id) & (slot < nslots)
-    else:
-        tile_mask = live_rows[:, None] & col_mask[None, :]  # [BLOCK_P, BLOCK_N]
-        scale_mask = live_rows
-        block_mask = live_rows[:, None] & (tl.arange(0, BLOCK_N // 32)[None, :] < dstate // 32)
-        run = True
-
-    if run:
-        if HEADS_PER_PROG == 1 or not PREFETCH:
-            for i in tl.range(0, HEADS_PER_PROG, num_stages=NUM_STAGES):
-                head = head0 + i
-                codes, old_scale, dt, x, z = _load_head(
-                    state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head, batch_row, rows, cols, row_mask,
-                    tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
-                    s_scale_slot, s_scale_head, s_scale_row, s_x_batch, s_x_head, s_dt_batch, s_dt_head,
-                    s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
-                _update_head(
-                    codes, old_scale, dt, x, z, B, C, seed, state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
-                    slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
-                    tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
-                    s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
-                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, FUSED, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
-                    SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
-        else:
-            codes, old_scale, dt, x, z = _load_head(
-                state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head0, batch_row, rows, cols, row_mask,
-                tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
-                s_scale_slot, s_scale_head, s_scale_row, s_x_batch, s_x_head, s_dt_batch, s_dt_head,
-                s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
-            for i in tl.range(0, HEADS_PER_PROG, num_stages=NUM_STAGES):
-                # Issue the next head's loads before this head's update; after the last head the
-                # state loads are masked off (the small loads re-read head0, in bounds).
-                ahead = (tl.zeros([BLOCK_P], tl.int32) + i + 1) < HEADS_PER_PROG  # [BLOCK_P]
-                next_codes, next_scale, next_dt, next_x, next_z = _load_head(
-                    state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head0 + (i + 1) % HEADS_PER_PROG, batch_row,
-                    rows, cols, row_mask, _and(tile_mask, ahead[:, None]), _and(scale_mask, ahead),
-                    _and(block_mask, ahead[:, None]), s_state_slot, s_state_head, s_state_row,
-                    s_scale_slot, s_scale_head, s_scale_row, s_x_batch, s_x_head, s_dt_batch, s_dt_head,
-                    s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
-                _update_head(
-                    codes, old_scale, dt, x, z, B, C, seed, state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
-                    slot, head0 + i, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
-                    tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
-                    s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
-                    DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, FUSED, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
-                    SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
-                codes, old_scale, dt, x, z = next_codes, next_scale, next_dt, next_x, next_z
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Code-path choices of the kernel (kernels/README.md), timed by ``bench.run_gpu --sweep``.
+    """Code-path choices of the kernel (kernels/mamba2/README.md), timed by ``bench.run_gpu --sweep``.
 
     ``even``: unmasked state tiles when ``headdim % BLOCK_P == 0`` and ``dstate == BLOCK_N``
     (else ignored). ``heads_per_prog``: heads of one group per program, a loop (reduced to the
     largest power of two dividing heads_per_group). ``num_stages``: the compiler's software
     pipelining of that loop. ``prefetch``: load the next head before updating this one.
-    ``sr_stream``: 0 = one Philox draw per element (:func:`codec.uniform`), 1 = one per four
-    (:func:`codec.uniform4`), 2 = one per eight (:func:`codec.noise8`, 16-bit noise); each
-    a different noise stream, with ``sr_rounds`` Philox rounds for 1 and 2.
+    ``sr_stream``: ``codec.SR_UNIFORM`` = one Philox draw per element (:func:`codec.uniform`),
+    ``SR_UNIFORM4`` = one per four (:func:`codec.uniform4`), ``SR_NOISE8`` = one per eight
+    (:func:`codec.noise8`, 16-bit noise); each a different noise stream, with ``sr_rounds``
+    Philox rounds for the last two.
     """
 
     even: bool = False
     heads_per_prog: int = 1
     num_stages: int = 1
     prefetch: bool = False
-    sr_stream: int = 0
+    sr_stream: int = codec.SR_UNIFORM
     sr_rounds: int = 10
 
 
-# The variant the launcher runs, by (state bytes per element, stochastic rounding); flip entries
-# to a sweep's winner. The four-word noise stream halved the time of +sr formats on the H200
-# (int8:row+sr 594 µs against 1194, fp8_e4m3:row+sr 682 against 1432 at batch 256, run of
-# 86f85bd); eight 16-bit draws per Philox4x32-7 call cut them again (int8:row+sr 365.6 µs against
-# 502.9, fp8_e4m3:row+sr 442.4 / 572.5, fp16+sr 418.0 / 540.4, bf16+sr 586.7 / 633.0;
-# sweeps-2026-12-02-k.log run 1), and rounding int8 and bf16 on the bits once more (int8:row+sr
-# 329–331, bf16+sr 478.5–479.2; run 2). At today's 16 × 128 two-warp tile, 16-bit states with
-# round to nearest take even + 2 heads per program + prefetch: fp16 298.9 µs against 331.0 for the
-# plain path (H200 sweep of d0c2baa, sweep-conventional-d0c2baa.json), and 320.4 against 331.6
-# (bf16 318.7 / 336.1) in the run of f66bd5d, where 8 heads took 312.5 / 303.3: the order among
-# head counts moves between machines, the gain over the plain path does not (bench/README.md).
-# The +sr noise stream every default launch draws (eight 16-bit draws per Philox4x32-7 call).
-_SR16 = dict(sr_stream=2, sr_rounds=7)
+# Tuning constants below: the fastest in H200 sweeps (figures in kernels/mamba2/README.md).
+
+# The variant the launcher runs, by (state bytes per element, stochastic rounding); the +sr
+# formats draw the SR_NOISE8 stream.
+_SR16 = dict(sr_stream=codec.SR_NOISE8, sr_rounds=7)
 DEFAULT_VARIANTS = {
     (4, False): Variant(),
     (2, False): Variant(even=True, heads_per_prog=2, prefetch=True),
@@ -367,43 +70,12 @@ DEFAULT_VARIANTS = {
 }
 
 
-# Rows of headdim per tile and warps, by state bytes per element, for dstate 128 (a tile keeps
-# about the same bytes for other dstate); measured on an H200 (bench/README.md, the tile table
-# of the 7b54e1a run). The 16- and 8-bit kernels are bound by instruction issue (ncu: 0.80 warps issued per
-# scheduler per cycle for int8:row, DRAM 27 %), so the tile sets how much of a program's fixed
-# work each element pays and how many warps hide the rest: at batch 256, fp16 took 381 µs with
-# 64 × 128 and 8 warps, 320 with 32 × 128 and 4, 308 with 16 × 128 and 2 (bf16 313, 315, 315);
-# 32 × 128 with 2 warps took fp8_e4m3:row from 291 to 266 and int8:row from 338 to 329. With
-# stochastic rounding (more registers per element) those tiles were slower, so +sr formats keep
-# the earlier ones. fp32 (one run, kernel time at batch 256, bench.breakdown): 16 × 128 with 2
-# warps 549.2 µs, with 4 581.5, with 8 574.6; 8 × 128 with 2 573.4, with 4 646.3; 32 × 128 with 4
-# 598.7, with 8 589.1.
+# (rows of headdim at dstate 128, warps) of a tile by state bytes per element: block32 and head
+# scales, the interpreter and the drafts kernel.
 _TILE_ROWS = {4: (16, 2), 2: (16, 2), 1: (32, 2)}
 _TILE_ROWS_SR = {4: (16, 4), 2: (64, 8), 1: (32, 4)}
-# The GPU launches of this kernel, by (dtype code, stochastic), for unscaled and row-scaled
-# formats (block32 and head scales, the interpreter and the drafts kernel take the tables above).
-# With fewer instructions per element the fused 8-bit path gains from more elements per thread
-# (amortizing a program's fixed work) where registers allow, and one-warp programs suit the 16-
-# and 32-bit states too. Batch 256 (bench/README.md, run of d0ed298, and sweeps-2026-12-02-g.log):
-# fp8_e4m3:row 187 µs at 32 × 128 with 1 warp against 242 at 32 × 128 with 2 and 212–224 at
-# 16 × 128 with 2 (fp8_e5m2:row 196 against 250 and 232); int8:row without prefetching
-# (HEAD_LOOP_CONFIGS below; its int8 → fp32 conversions and packing take more registers) 239–249 at
-# 16 × 128 with 1 warp against 262 at 32 × 128 with 2 and 275 at 32 × 128 with 1; fp32 524 at
-# 16 × 128 with 1 warp against 545–550 with 2; fp16 / bf16 307 / 305–307 at 16 × 128 with 1 warp
-# against 321–326 with 2 (32 × 128 with 1: 310 / 389); with +sr, 16 × 128 with 2 warps took
-# int8:row+sr 504 µs, fp8_e4m3:row+sr 580, fp16+sr 542 and bf16+sr 633 against 522 and 598 at
-# 32 × 128 with 4 and 553 and 642 at 64 × 128 with 8. With the 16-bit noise rounded on the bits
-# (codec.encode_sr16; 72 registers at 16 × 128 with 2 warps) int8:row+sr took 310.8–313.7 µs at
-# 32 × 128 with 2 warps against 328.9–331.4 at 16 × 128 (16 × 128 with 1: 313.2–319.1); bf16+sr
-# 478.5–479.2 at 16 × 128 with 2 against 549 with 1 and 789 at 32 × 128 with 2; fp8_e4m3:row+sr
-# with floor(q + u) in one addition (codec.encode_sr16) 345.9–346.4 at 16 × 128 with 1 warp
-# against 366.8–369.5 with 2 and 349.0–351.4 at 32 × 128 with 2 (sweeps-2026-12-02-k.log runs 1–3, 7).
-# Those +sr tiles were timed with the seed a constant; a caller's seed is a runtime argument
-# (since 0494d75), and then triton 3.6 gives bf16+sr at 16 × 128 with 2 warps 123 registers
-# instead of 80 (`bench.sass_count`), 564 µs against 478. Retimed so (sweeps-2026-12-03-o.log
-# runs 1–3): bf16+sr 514–520 µs at 8 × 128 with 1 warp, 428.2 / 431.4 capped at 96 registers
-# (REGISTER_CAPS below), 444.7 at 128; the other +sr formats were no faster at any plain tile
-# (HEAD_LOOP_CONFIGS below has what was).
+# The same for this kernel's GPU launches of unscaled and row-scaled formats, by (dtype code,
+# stochastic): fewer instructions per element pay for more elements per thread.
 _TILE_ROWS_BY_DTYPE = {
     (codec.INT8, False): (16, 1), (codec.FP8_E4M3, False): (32, 1), (codec.FP8_E5M2, False): (32, 1),
     (codec.INT8, True): (32, 2), (codec.FP8_E4M3, True): (16, 1),
@@ -412,11 +84,8 @@ _TILE_ROWS_BY_DTYPE = {
 }
 
 
-# Register caps (ptxas .maxnreg) of the GPU launches at the tiles above, by (dtype code,
-# stochastic), for unscaled and row-scaled formats; absent: ptxas's choice, which a cap can make
-# worse: ptxas spends what it allows (fp16+sr's 80-register kernel took 483.5–486.4 µs under a
-# 128 cap against 431–441 without, sweeps-2026-12-03-o.log run 8). HEAD_LOOP_CONFIGS carry
-# their own.
+# Register caps (ptxas .maxnreg) of those GPU launches; absent: ptxas's choice, which a cap can
+# make slower (ptxas spends what it is allowed). HEAD_LOOP_CONFIGS carry their own.
 REGISTER_CAPS = {(codec.BF16, True): 96}
 
 
@@ -441,24 +110,8 @@ def tile_config(element_bytes: int, headdim: int, dstate: int, granularity: int,
     return block_p, block_n, warps
 
 
-# Programs that loop over heads of one group (B, C and the slot loaded once), by (dtype code,
-# stochastic), for unscaled and row-scaled formats on a GPU.
-# int8 row codes with round to nearest: 16 heads, the next head's codes, scale and inputs loaded
-# while one head is updated (``prefetch``), in 32 × 128 one-warp tiles (255 registers, triton
-# 3.6). H200, batch 256 (bench/README.md, run of 48e494d, and sweeps-2026-12-02-h.log):
-# 193.2–193.9 µs against 248.6–249.6 for the 16 × 128 tile without it; batch 64 54.0–54.2
-# against 65.5–65.6; nemotron-3-nano-30b-a3b (8 heads per group) batch 256 103.7 against
-# 125.0–127.1. 8 heads per program took 196.5–197.3, 32 × 128 with 2 warps 278.9–279.0.
-# fp8_e4m3:row is not faster so (192.1–194.0 against 188.0–189.0), nor int8 at batch 16 (a
-# 16-row tile, 4 heads: 21.4–21.8 against 18.6–18.9), so these apply from
-# HEAD_LOOP_MIN_PROGRAMS programs up (batch 64 of the 8B layer).
-# With stochastic rounding, 4 heads in 8 × 128 (16-bit) or 16 × 128 (int8) one-warp tiles, each
-# capped at 128 registers, three runs each at batch 256 against the tables' tiles
-# (sweeps-2026-12-03-o.log, runs 6–7): bf16+sr 396.8–403.3 µs against 423.8–430.8, fp16+sr
-# with the next head prefetched 389.4–393.2 against 431.3–441.4, int8:row+sr 308.4–309.7
-# against 322.0–326.8. Uncapped, the loops took 471.5–471.9 (bf16+sr), 403.5–408.7 (fp16+sr)
-# and 311.7–314.2 µs (int8:row+sr). fp8_e4m3:row+sr found nothing faster (346.6 at its tile; 2,
-# 4 or 8 heads 350.3–1245.3). Entries: (rows, warps, Variant, register cap or None).
+# GPU programs looping over heads of one group (B, C, slot loaded once), by (dtype code, stochastic):
+# (rows, warps, Variant, register cap or None), from HEAD_LOOP_MIN_PROGRAMS programs up.
 HEAD_LOOP_CONFIGS = {
     (codec.INT8, False): (32, 1, Variant(even=True, heads_per_prog=16, prefetch=True), None),
     (codec.INT8, True): (16, 1, Variant(even=True, heads_per_prog=4, **_SR16), 128),
@@ -488,7 +141,7 @@ def launch_config(element_bytes: int, headdim: int, dstate: int, granularity: in
     return block_p, block_n, num_warps, variant, maxnreg
 
 
-# Eager GPU launches through the compiled kernel (kernels/launch.py).
+# Eager GPU launches through the compiled kernel (common/launch.py).
 _launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
 
 
@@ -516,7 +169,7 @@ def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device
     block_p = block_p or config_p
     if granularity == codec.GRAN_HEAD:
         # One scale per head: a tile must hold the whole head whatever a caller asks for (a
-        # 16-row override gave wrong codes on the H200, run 86f85bd).
+        # 16-row override gave wrong codes on the H200).
         block_p = max(block_p, sizes.next_power_of_2(headdim))
     variant = variant or config_variant
     heads_per_prog = math.gcd(variant.heads_per_prog, heads_per_group)

@@ -17,7 +17,7 @@ import torch
 from .. import _validate
 from ..cache import ReplayCache
 from ..kernels.mamba2 import replay as _kernel
-from . import _common, _signature
+from . import _common, _replay_checks, _signature
 from ._register import eager, mutating_op
 
 __all__ = ["replay_decode"]
@@ -54,96 +54,6 @@ _replay_decode_op = mutating_op("qstate::replay_decode", _replay_decode_impl, _M
 _ACCEPTED = _signature.AcceptedSignatures()
 
 
-def _inner_contiguous(name: str, t: torch.Tensor) -> None:
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected unit stride in the last dimension, got strides {t.stride()}")
-
-
-def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, layout: str) -> torch.Tensor:
-    """``out`` (allocated when None): x's shape (``layout`` names it), dtype and device, unit
-    inner stride."""
-    if out is None:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _validate.tensor("out", out, ndim=x.dim())
-    _validate.shape("out", out, tuple(x.shape), layout)
-    if out.dtype != x.dtype:
-        raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
-    if out.device != x.device:
-        raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
-    _inner_contiguous("out", out)
-    return out
-
-
-def _check_slot_indices(slot_indices, batch: int, cache: ReplayCache, rows: str = "x") -> None:
-    """``slot_indices (batch,)`` or None (row i uses slot i; ``rows`` names the batch argument):
-    :func:`_check_slot_layout` and :func:`_check_slot_values`."""
-    _check_slot_layout(slot_indices, batch, cache, rows)
-    if slot_indices is not None:
-        _check_slot_values(slot_indices, cache)
-
-
-def _check_slot_layout(slot_indices, batch: int, cache: ReplayCache, rows: str = "x") -> None:
-    """Type, dtype, shape and device of ``slot_indices``; without them, batch ≤ num_slots."""
-    if slot_indices is None:
-        if batch > cache.num_slots:
-            raise ValueError(f"{rows}: without slot_indices row i uses slot i, so batch must be <= num_slots = "
-                             f"{cache.num_slots}, got {batch}")
-        return
-    if not isinstance(slot_indices, torch.Tensor):
-        raise TypeError(f"slot_indices: expected a torch.Tensor or None, got {type(slot_indices).__name__}")
-    if slot_indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_indices: expected dtype torch.int32 or torch.int64, got {slot_indices.dtype}")
-    _validate.shape("slot_indices", slot_indices, (batch,), "(batch,)")
-    if slot_indices.device != cache.device:
-        raise ValueError(f"slot_indices: expected device {cache.device} (the cache's), got {slot_indices.device}")
-    _common.unit_stride_indices("slot_indices", slot_indices)
-
-
-def _check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
-    """Values of CPU slot indices: below num_slots, none repeated (padding aside). A value
-    check, so it runs on every call; a GPU tensor is not read (that would sync the host)."""
-    if slot_indices.device.type != "cpu" or torch.compiler.is_compiling():
-        return
-    live = slot_indices[slot_indices >= 0]
-    if live.numel():
-        top = int(live.max())
-        if top >= cache.num_slots:
-            raise ValueError(f"slot_indices: expected values < num_slots = {cache.num_slots} "
-                             f"(negative = padding), got {top}")
-        if torch.unique(live).numel() != live.numel():
-            raise ValueError(f"slot_indices: expected no slot to repeat within one call, got {slot_indices.tolist()}")
-
-
-def _cache_layout(cache):
-    """What the checks read of a cache (a fresh object, equal to nothing, for a non-cache)."""
-    if not isinstance(cache, ReplayCache):
-        return object()
-    return (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
-            cache.input_dtype, cache.max_draft)
-
-
-def _check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus) -> None:
-    """x and B in the ring's dtype, and the flag a bool."""
-    for name, t in (("x", x), ("B", B)):
-        if t.dtype != cache.input_dtype:
-            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (it joins the ring), "
-                            f"got {t.dtype}")
-    _common.bool_flag("dt_softplus", dt_softplus)
-
-
-def _checked_ring_call(accepted: _signature.AcceptedSignatures, check, cache, x, dt, A, B, C, D, z, dt_bias,
-                       dt_softplus, slot_indices, out):
-    """What a decode or verify call does before its launch: ``check`` (the call's metadata
-    checks, same arguments) once per signature, the slot values every call; returns ``out``
-    (allocated like x when None) and the signature."""
-    signature = (_cache_layout(cache), type(dt_softplus), dt_softplus,
-                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
-    accepted.check_once(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
-    if slot_indices is not None:
-        _check_slot_values(slot_indices, cache)
-    return (out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)), signature
-
-
 def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
     """Every check of :func:`replay_decode` that reads only metadata (its signature)."""
     if not isinstance(cache, ReplayCache):
@@ -175,13 +85,13 @@ def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_i
             raise ValueError(f"{name}: expected device {cache.device} (the cache's), got {t.device}")
     for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
         if t is not None:
-            _inner_contiguous(name, t)
+            _replay_checks.inner_contiguous(name, t)
     for name, t in named:
         _common.float_input(name, t)
-    _check_ring_inputs(cache, x, B, dt_softplus)
-    _check_slot_layout(slot_indices, batch, cache)
+    _replay_checks.check_ring_inputs(cache, x, B, dt_softplus)
+    _replay_checks.check_slot_layout(slot_indices, batch, cache)
     if out is not None:
-        _check_out(out, x, "(batch, nheads, headdim)")
+        _replay_checks.check_out(out, x, "(batch, nheads, headdim)")
 
 
 def replay_decode(
@@ -216,8 +126,8 @@ def replay_decode(
     read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
     ``y (batch, nheads, headdim)`` (``out`` if given).
     """
-    out, signature = _checked_ring_call(_ACCEPTED, _check_decode_args, cache, x, dt, A, B, C, D, z, dt_bias,
-                                        dt_softplus, slot_indices, out)
+    out, signature = _replay_checks.checked_ring_call(_ACCEPTED, _check_decode_args, cache, x, dt, A, B, C, D, z,
+                                                      dt_bias, dt_softplus, slot_indices, out)
     if x.shape[0] == 0:
         return out
     state = (cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,

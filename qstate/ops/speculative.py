@@ -22,10 +22,8 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
-from . import _common, _signature
+from . import _common, _replay_checks, _signature
 from ._register import mutating_op
-from .replay import (_check_out, _check_ring_inputs, _check_slot_indices, _check_slot_layout, _checked_ring_call,
-                     _inner_contiguous)
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
            "commit_drafts"]
@@ -129,7 +127,7 @@ def _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, *, nheads: int, headdim: 
             raise ValueError(f"{name}: expected device {device} (the state's), got {t.device}")
     for name, t in (("x", x), ("B", B), ("C", C), ("z", z)):
         if t is not None:
-            _inner_contiguous(name, t)
+            _replay_checks.inner_contiguous(name, t)
     return batch, T, ngroups
 
 
@@ -163,10 +161,10 @@ def _check_verify_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_i
     if T < 1 or T > cache.max_draft:
         raise ValueError(f"x: expected 1 <= T <= cache.max_draft = {cache.max_draft} draft tokens "
                          f"(allocate the cache with max_draft), got T = {T}")
-    _check_ring_inputs(cache, x, B, dt_softplus)
-    _check_slot_layout(slot_indices, batch, cache)
+    _replay_checks.check_ring_inputs(cache, x, B, dt_softplus)
+    _replay_checks.check_slot_layout(slot_indices, batch, cache)
     if out is not None:
-        _check_out(out, x, "(batch, T, nheads, headdim)")
+        _replay_checks.check_out(out, x, "(batch, T, nheads, headdim)")
 
 
 _VERIFY_ACCEPTED = _signature.AcceptedSignatures()
@@ -203,8 +201,8 @@ def replay_verify(
     verify must be followed by a :func:`replay_commit` of the same slots (a second verify
     replaces the pending drafts). Returns ``out``.
     """
-    out, _ = _checked_ring_call(_VERIFY_ACCEPTED, _check_verify_args, cache, x, dt, A, B, C, D, z, dt_bias,
-                                dt_softplus, slot_indices, out)
+    out, _ = _replay_checks.checked_ring_call(_VERIFY_ACCEPTED, _check_verify_args, cache, x, dt, A, B, C, D, z,
+                                              dt_bias, dt_softplus, slot_indices, out)
     if x.shape[0] == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
@@ -236,7 +234,7 @@ def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: 
         raise ValueError(f"num_accepted: expected shape (batch,), got {tuple(num_accepted.shape)}")
     batch = num_accepted.shape[0]
     _check_num_accepted(num_accepted, batch, cache.device)
-    _check_slot_indices(slot_indices, batch, cache, rows="num_accepted")
+    _replay_checks.check_slot_indices(slot_indices, batch, cache, rows="num_accepted")
     if batch == 0:
         return
     if _host_checks(cache.device):
@@ -318,7 +316,7 @@ def selective_state_update_drafts(
     elif batch > nslots:
         raise ValueError(f"x: without state_batch_indices row i uses slot i, so batch must be <= nslots = {nslots}, "
                          f"got {batch}")
-    out = _check_out(out, x, "(batch, T, nheads, headdim)")
+    out = _replay_checks.check_out(out, x, "(batch, T, nheads, headdim)")
     if batch == 0:
         return out
     dt, A, D, dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)

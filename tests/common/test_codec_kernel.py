@@ -1,4 +1,4 @@
-"""The in-kernel codec (kernels/codec.py) against qstate.formats, bit for bit.
+"""The in-kernel codec (kernels/common/codec.py) against qstate.formats, bit for bit.
 
 Runs the probe kernel (one program quantizes one head) under the interpreter on CPU, with the
 exact-arithmetic paths (``hardware_casts=False``); ``bench/run_gpu.py`` repeats it on the GPU

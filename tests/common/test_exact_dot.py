@@ -1,4 +1,4 @@
-"""The tensor-core product (kernels/exact_dot.py) against fp64 under the interpreter: every state
+"""The tensor-core product (kernels/common/exact_dot.py) against fp64 under the interpreter: every state
 format whose codes are exact in bf16, with bf16/fp16/fp32 inputs. ``bench/run_gpu.py`` runs the
 same check on the GPU, where the tensor cores do the products."""
 

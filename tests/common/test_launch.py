@@ -1,4 +1,4 @@
-"""kernels/launch.py: which calls reuse a compiled kernel's launcher, and with which arguments.
+"""kernels/common/launch.py: which calls reuse a compiled kernel's launcher, and with which arguments.
 
 A stand-in kernel records what Triton would be asked: ``kernel[grid](*args, **constexprs)``
 (binding and, on a miss, compiling) or the compiled kernel's ``[grid](*all_args)``."""

@@ -29,9 +29,9 @@ def test_allocate_stores_what_quantize_gives_a_zero_state(read):
 
 
 def test_bytes_per_step_of_the_headline_layout():
-    """fp32 checkpoint + fp8_e4m3:row read copy, ring 16: 1.5 state bytes per element (DESIGN.md
-    §3.1: the flush reads the checkpoint, not the read copy) plus the row scales and the ring
-    (kernels/README.md)."""
+    """fp32 checkpoint + fp8_e4m3:row read copy, ring 16: 1.5 state bytes per element (the read
+    copy every step; the checkpoint at a flush only, which does not read the read copy) plus the
+    row scales and the ring (kernels/mamba2/README.md)."""
     H, P, N, G, L = 128, 64, 128, 8, 16
     cache = ReplayCache.allocate(1, H, P, N, G, ring_len=L, device="meta")
     E = H * P * N

@@ -22,7 +22,7 @@ from qstate import formats
 from qstate.kernels.common import codec
 from qstate.kernels.mamba2 import conventional
 
-from test_conventional import _bits, _inputs, _kernel_noise, _mirror_step, _numpy_exp, _rel_rms, _stored
+from helpers.conventional import bits_of, kernel_noise, mirror_step, numpy_exp, random_inputs, rel_rms, stored_state
 
 U = 2.0**-24
 FUSED_FORMATS = ["int8:row", "fp8_e4m3:row", "fp8_e5m2:row", "int8:head", "fp8_e4m3:head", "fp8_e5m2:head",
@@ -67,21 +67,21 @@ def _check_step(state, scale, out, expected, y_ref, magnitudes, fmt):
     reduce_dims = (-1,) if fmt.granularity == "row" else (-2, -1)
     bound = 5 * U * magnitudes.amax(dim=reduce_dims) / fmt.qmax + 2 * U * expected.scale
     assert ((scale - expected.scale).abs() <= bound).all()
-    assert _rel_rms(out, y_ref) < (magnitudes.shape[-1] + 5) * U * 4
+    assert rel_rms(out, y_ref) < (magnitudes.shape[-1] + 5) * U * 4
 
 
 @pytest.mark.parametrize("text", FUSED_FORMATS)
 def test_fused_steps_within_a_grid_step_of_the_references(text):
     fmt = formats.StateFormat.parse(text)
     shape = (2, 6, 80, 96)
-    q = _stored(fmt, shape)
+    q = stored_state(fmt, shape)
     state, scale = q.data.clone(), q.scale.clone()
     values = formats.dequantize(q)
     for step in range(2):
-        inp = _inputs(2, 6, 80, 96, 2, seed=step)
+        inp = random_inputs(2, 6, 80, 96, 2, seed=step)
         out = _launch(state, scale, fmt, inp, seed=11 + step)
-        y_ref, S_ref = _mirror_step(values, **inp, exp=_numpy_exp)
-        noise = _kernel_noise(fmt, shape, 11 + step) if fmt.stochastic else None
+        y_ref, S_ref = mirror_step(values, **inp, exp=numpy_exp)
+        noise = kernel_noise(fmt, shape, 11 + step) if fmt.stochastic else None
         expected = formats.quantize(S_ref, fmt, noise=noise)
         _check_step(state, scale, out, expected, y_ref, _magnitudes(values, inp), fmt)
         # The next step starts from what the kernel stored (its codes may differ by a step).
@@ -94,14 +94,14 @@ def test_fused_saturation_where_a_scale_is_clamped(text):
     after a decay close to 1 its new scale is clamped to ``2**(126 − EMAX)`` and its largest codes
     saturate; its tile takes the saturating path."""
     fmt = formats.StateFormat.parse(text)
-    q = _stored(fmt, (2, 2, 8, 32))
+    q = stored_state(fmt, (2, 2, 8, 32))
     codes = formats.dequantize(formats.QuantizedState(q.data, torch.ones_like(q.scale), fmt))
     where = (0, 1, 3) if fmt.granularity == "row" else (0, 1)
     q.scale[where] = 2.3e38 / codes[where].abs().max()
     state, scale = q.data.clone(), q.scale.clone()
-    inp = _inputs(2, 2, 8, 32, 1)
+    inp = random_inputs(2, 2, 8, 32, 1)
     out = _launch(state, scale, fmt, inp)
-    y_ref, S_ref = _mirror_step(formats.dequantize(q), **inp, exp=_numpy_exp)
+    y_ref, S_ref = mirror_step(formats.dequantize(q), **inp, exp=numpy_exp)
     expected = formats.quantize(S_ref, fmt)
     assert torch.isfinite(S_ref).all() and S_ref[where].abs().max() > fmt.qmax * 2.0 ** (126 - fmt.emax)
     assert (_grid_steps_apart(state, expected.data, fmt) <= 1).all()
@@ -111,11 +111,11 @@ def test_fused_saturation_where_a_scale_is_clamped(text):
 
 def test_fused_inf_and_nan_stay_in_their_slot():
     fmt = formats.StateFormat.parse("int8:row")
-    q = _stored(fmt, (3, 2, 8, 32))
+    q = stored_state(fmt, (3, 2, 8, 32))
     state, scale = q.data.clone(), q.scale.clone()
     scale[1, 0, 2] = float("nan")
     scale[1, 1, 5] = float("inf")
-    inp = _inputs(3, 2, 8, 32, 1)
+    inp = random_inputs(3, 2, 8, 32, 1)
     out = _launch(state, scale, fmt, inp)
     for slot in (0, 2):
         assert not out[slot].isnan().any() and torch.isfinite(scale[slot]).all()
@@ -124,13 +124,13 @@ def test_fused_inf_and_nan_stay_in_their_slot():
 def test_fused_padding_and_untouched_slots():
     """Rows 1 (negative index) and 3 (pad_slot_id) output zero; slots 1, 2, 4, 5 stay bit for bit."""
     fmt = formats.StateFormat.parse("int8:row")
-    q = _stored(fmt, (6, 4, 16, 32))
+    q = stored_state(fmt, (6, 4, 16, 32))
     state, scale = q.data.clone(), q.scale.clone()
-    inp = _inputs(4, 4, 16, 32, 2)
+    inp = random_inputs(4, 4, 16, 32, 2)
     out = _launch(state, scale, fmt, inp, slot_indices=torch.tensor([3, -1, 0, 5], dtype=torch.int32),
                   pad_slot_id=5)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
     for untouched in (1, 2, 4, 5):
-        assert torch.equal(_bits(state[untouched]), _bits(q.data[untouched]))
-        assert torch.equal(_bits(scale[untouched]), _bits(q.scale[untouched]))
+        assert torch.equal(bits_of(state[untouched]), bits_of(q.data[untouched]))
+        assert torch.equal(bits_of(scale[untouched]), bits_of(q.scale[untouched]))
     assert not out[0].isnan().any() and not out[2].isnan().any()

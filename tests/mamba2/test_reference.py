@@ -138,7 +138,7 @@ def test_read_copy_error_is_one_quantization_of_the_checkpoint(read, ring_len):
 
 @pytest.mark.parametrize("read", ["int8:row", "fp8_e4m3:row", "bf16"])
 def test_a_flushing_token_outputs_from_the_fold_not_the_read_copy(read):
-    """DESIGN.md §1 and §3.1: the token that fills the ring outputs from the unrounded new state,
+    """The token that fills the ring outputs from the unrounded new state,
     the fold of the checkpoint, so its output is the same with or without a read copy (the
     checkpoints do not depend on it); every other token reads the read copy."""
     ring_len, T = 4, 13

@@ -1,7 +1,7 @@
 """Speculative decoding on replay (``qstate.replay_verify`` / ``replay_commit``) and the
 per-draft-state baseline, under the interpreter.
 
-Each slot is shadowed as in tests/test_replay.py: the kernel's checkpoint at the start of the
+Each slot is shadowed as in tests/mamba2/test_replay.py: the kernel's checkpoint at the start of the
 current flush cycle plus the tokens committed since. Every round, all T outputs of a row must
 equal ``decode_replay`` (fp64, from that checkpoint, same read format, no flush inside) over the
 committed tokens followed by the T drafts, within the fp32 bound of kernels/README.md

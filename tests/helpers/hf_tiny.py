@@ -1,6 +1,6 @@
 """Tiny random-initialised transformers models for the integration tests (no downloads).
 
-Head shapes are the published ones scaled down (DESIGN.md §6): Mamba2 with one group like
+Head shapes are the published ones scaled down: Mamba2 with one group like
 Mamba2-2.7B, Nemotron-H with two groups and attention and MLP layers between the Mamba ones.
 """
 
