@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import hf_tiny_delta
+from helpers import hf_tiny_delta
 from qstate import profiles
 from qstate.calibration_delta import CalibratedDeltaProfile, EmpiricalGates
 from qstate.integrations import delta_observe
