@@ -83,6 +83,12 @@ class ReplayCache:
     drafts: Optional[torch.Tensor] = None
     commit_errors: Optional[torch.Tensor] = None
 
+    def __setattr__(self, name, value):
+        # The kernels take the seed as it is at each call: a seed set later is checked like one given.
+        if name == "seed":
+            _check_seed(value)
+        super().__setattr__(name, value)
+
     def __post_init__(self):
         # Caches built before speculative decoding existed get its two small counters here.
         if self.drafts is None:
