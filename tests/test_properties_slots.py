@@ -191,3 +191,25 @@ def test_replay_runs_repeat_bit_for_bit():
         qstate.replay_decode(cache, **_inputs(SLOTS, 9), dt_softplus=True)
         snapshots.append(_snapshot(cache))
     assert all(_same(snapshots[0][k], snapshots[1][k]) for k in snapshots[0])
+
+
+@ci_examples(3)
+@given(fmt=st.sampled_from(["fp32", "int8:row", "fp8_e4m3:row"]), rows=slot_rows, seed=st.integers(0, 999))
+def test_baseline_drafts_and_commit_keep_unnamed_slots(fmt, rows, seed):
+    from qstate.ops.speculative import commit_drafts, selective_state_update_drafts
+
+    state, scale = _state(fmt, seed)
+    before = (_bits(state), _bits(scale))
+    idx, T = torch.tensor(rows), 2
+    inter = torch.zeros((len(rows), T, H, P, N), dtype=state.dtype)
+    inter_scale = None if scale is None else torch.ones((len(rows), T, H, P))
+    selective_state_update_drafts(state, **_inputs(len(rows), seed, T=T), dt_softplus=True,
+                                  state_batch_indices=idx, intermediate=inter, state_scale=scale,
+                                  intermediate_scale=inter_scale, state_format=fmt)
+    assert _same(state, before[0]) and _same(scale, before[1])  # read, never written
+    commit_drafts(state, inter, torch.full((len(rows),), T, dtype=torch.int32), idx, state_scale=scale,
+                  intermediate_scale=inter_scale, state_format=fmt)
+    untouched = [s for s in range(SLOTS) if s not in rows]
+    assert torch.equal(_bits(state)[untouched], before[0][untouched])
+    if scale is not None:
+        assert torch.equal(_bits(scale)[untouched], before[1][untouched])
