@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/qstate drift --model nemotron-h-8b --out report
+	$(VENV)/bin/qstate drift --model nemotron-h-8b --out report --force
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q

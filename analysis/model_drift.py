@@ -203,13 +203,15 @@ DEFAULT_HF_SCHEMES = ("fp32", "replay/fp32/16", "bf16", "fp8_e4m3:row", "replay/
 
 def hf_model_report(path: Union[str, os.PathLike], schemes=DEFAULT_HF_SCHEMES, new_tokens: int = 64, *,
                     prompt: Optional[str] = None, prompt_tokens: int = 32, batch: int = 1, seed: int = 0,
-                    device: str = "cpu", out: Union[str, os.PathLike] = "report") -> ModelDrift:
+                    device: str = "cpu", out: Union[str, os.PathLike] = "report",
+                    plot: bool = True) -> ModelDrift:
     """:func:`model_drift` of the transformers model saved at ``path`` (local weights, no download).
 
     The prompt is ``prompt`` encoded by the model's tokenizer, else ``batch`` rows of
     ``prompt_tokens`` token ids drawn uniformly with ``seed``. On the CPU the model is loaded in
     fp32 (the Triton interpreter runs fp32), elsewhere in its saved dtype. Writes
-    ``model_drift.md``, ``model_drift.json`` and ``model_drift.png`` into ``out``.
+    ``model_drift.md``, ``model_drift.json`` and (with ``plot``; it needs matplotlib)
+    ``model_drift.png`` into ``out``.
     """
     from qstate.integrations.hf_import import import_transformers
 
@@ -239,5 +241,6 @@ def hf_model_report(path: Union[str, os.PathLike], schemes=DEFAULT_HF_SCHEMES, n
                  f"{input_ids.shape[0]}, prompt {input_ids.shape[1]} tokens; each scheme against the "
                  f"unpatched model (KL in nats).\n\n{result.to_markdown()}\n")
     result.to_json(os.path.join(out, "model_drift.json"))
-    result.plot(os.path.join(out, "model_drift.png"))
+    if plot:
+        result.plot(os.path.join(out, "model_drift.png"))
     return result

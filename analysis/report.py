@@ -59,10 +59,10 @@ def _stagnation_lines(result: DriftResult) -> list[str]:
     return lines or ["- no scheme stagnates on these heads"]
 
 
-def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command: str = "") -> str:
-    """Write ``report.md``, ``drift.png`` and ``drift.json`` into ``out_dir``; returns the report path."""
+def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command: str = "", plot: bool = True) -> str:
+    """Write ``report.md``, ``drift.json`` and (with ``plot``; it needs matplotlib) ``drift.png``
+    into ``out_dir``, the figure last; returns the report path."""
     os.makedirs(out_dir, exist_ok=True)
-    result.plot(os.path.join(out_dir, "drift.png"))
     result.to_json(os.path.join(out_dir, "drift.json"))
     p = result.profile
     failed = [f"- `{s}` failed at step {t} (output overflowed or turned NaN)" for s, t in result.failed_at.items()]
@@ -89,7 +89,8 @@ def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command:
         "",
         *failed,
         "",
-        "![error against step and by decay class](drift.png)",
+        "![error against step and by decay class](drift.png)" if plot else
+        "(plot skipped: matplotlib is not installed)",
         "",
         "## Theory beside measurement",
         "",
@@ -107,4 +108,6 @@ def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command:
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as fh:
         fh.write("\n".join(text))
+    if plot:
+        result.plot(os.path.join(out_dir, "drift.png"))
     return path

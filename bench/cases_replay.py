@@ -102,6 +102,29 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+U = 2.0 ** -24
+# One rounding of a 16-bit output, relative (a whole bf16 ulp: the interpreter's cast truncates).
+OUTPUT_U = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -11}
+
+
+def _fp32_output_bound(state0, cpu, L, T, N, dtype):
+    """Per-element bound on |y − y_ref| for an fp32 checkpoint without a read copy, from the
+    fp32 error analysis of tests/mamba2/test_replay.py: each step's output is within
+    ``κ_y·u·M`` of the fp64 value (``M`` the same recurrence over absolute values, times the
+    gate's magnitude), ``κ_y = L + 4 + (L + 1)·max|A·Λ| + dstate + 6``, and each of the
+    ``T // L`` flushes before it carries at most ``κ_fold·u·M`` forward (decay ≤ 1); plus one
+    rounding of a 16-bit output."""
+    absolute = {k: (v.abs() if k in ("x", "B", "C", "D") else v) for k, v in cpu.items() if k != "z"}
+    y_abs, _ = reference.decode_exact(state0.abs(), **absolute, dt_softplus=True)
+    y_ref_mag = reference.decode_exact(state0, **cpu, dt_softplus=True)[0].abs()
+    dts = reference.process_dt(cpu["dt"].double(), cpu["dt_bias"].double(), True)  # [T, batch, H]
+    decay_exponent = float((cpu["A"].double().abs() * dts.sum(0)).max())  # a bound on any cycle's |A·Λ|
+    kappa_y = L + 4 + (L + 1) * decay_exponent + N + 6
+    z = cpu["z"].double()
+    gate = (z * torch.sigmoid(z)).abs().clamp(min=1.0)
+    return (T // L + 1) * kappa_y * U * y_abs * gate + OUTPUT_U[dtype] * y_ref_mag + 1e-30
+
+
 def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
     """Every step kernel against ``decode_replay`` (fp64, same formats) over T steps (two flush
     cycles), and the grouped kernels against the per-head one.
@@ -120,7 +143,9 @@ def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
     kernel's checkpoint is not bit-identical to the per-head kernel's (the same flush kernel folds
     the same ring), or its outputs differ from the per-head kernel's by more than 1e-5 relative RMS
     (4e-3 with bf16 outputs: one bf16 rounding either side). With ``sweep``, also every tile of
-    ``sweep_cases`` (bf16 inputs, so the sweep reuses the compiled kernels). Returns
+    ``sweep_cases`` (bf16 inputs, so the sweep reuses the compiled kernels). An fp32 checkpoint
+    without a read copy is also held, element by element, to the fp32 bound of
+    :func:`_fp32_output_bound` (about 1e-5 of the output magnitudes here). Returns
     (failures, report rows).
     """
     shape = shape or CHECK_SHAPE
@@ -136,6 +161,8 @@ def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
                                                ring_len=L)
         tol = 1e-2 if "+sr" in ck else 5e-3
         y_tol = tol
+        # An fp32 checkpoint without a read copy rounds nothing but fp32 arithmetic: bounded per element.
+        y_bound = _fp32_output_bound(state0.cpu(), cpu, L, T, N, dtype) if (ck, rd) == ("fp32", None) else None
         if "+sr" in ck and rd is not None:
             # Other noise than the reference's rounds the checkpoint, and its read copy is then
             # another rounding into the read format than the reference's: the outputs may
@@ -160,6 +187,10 @@ def check_kernel(device, shape=None, batch=3, L=4, T=10, sweep=True):
                 problems.append("non-finite outputs")
             if mismatches:
                 problems.append(f"{mismatches} read codes/scales differ")
+            if y_bound is not None:
+                row["y_over_fp32_bound"] = float(((y - y_ref).abs() / y_bound).max())
+                if not row["y_over_fp32_bound"] <= 1.0:
+                    problems.append(f"y {row['y_over_fp32_bound']:.3g} × the fp32 bound")
             state_tol = 1e-5 if ck == "fp32" else tol
             if not (row["y_rel_rms"] <= y_tol and row["state_rel_rms"] <= state_tol):
                 problems.append(f"y rel {row['y_rel_rms']:.2e} (tol {y_tol:.3g}) state rel {row['state_rel_rms']:.2e} "

@@ -8,7 +8,7 @@ sampling the inputs, the exact fp64 recurrence, recording errors (every 64 steps
     python bench/drift_speed.py [--threads 2] [--steps 512] [--out bench/results]
 
 Writes ``drift_speed.json`` under ``--out`` and prints a markdown table (paste it into
-bench/README.md with the date, machine and command). Target (issue 3): at least 1e8 element-steps/s
+bench/README.md with the date, machine and command); exits 1 when a case misses the target. Target (issue 3): at least 1e8 element-steps/s
 for fp32 and 8-bit schemes on 2 cores.
 """
 
@@ -48,7 +48,7 @@ def measure(schemes, steps: int, heads: int, batch: int) -> dict:
             "seconds": result.elapsed_s, "element_steps_per_s": rate}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=512)
@@ -77,7 +77,11 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"| {r['case']} | {r['element_steps_per_s']:.3g} | {r['seconds']:.2f} | "
               f"{'yes' if r['element_steps_per_s'] >= TARGET else 'no'} |")
+    missed = [r["case"] for r in rows if r["element_steps_per_s"] < TARGET]
+    if missed:
+        print(f"drift_speed: target {TARGET:.0e} element-steps/s missed by {', '.join(missed)}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,13 +27,16 @@ CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_s
 
 
 def _load_case_modules():
-    loaded = []
+    """``(modules, failures)``: a module that does not import is a failure of the run (its
+    checks did not run), reported after the others ran."""
+    loaded, failures = [], []
     for name in CASE_MODULES:
         try:
             loaded.append(importlib.import_module(name))
         except Exception as err:  # one broken case module must not stop the others' run
-            print(f"run_gpu: skipping {name}: {type(err).__name__}: {err}", flush=True)
-    return loaded
+            failures.append(f"{name} did not import: {type(err).__name__}: {err}")
+            print(f"run_gpu: FAIL {failures[-1]}", flush=True)
+    return loaded, failures
 
 
 def main(argv=None) -> int:
@@ -51,12 +54,12 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     command = "python3 -m bench.run_gpu " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    modules = _load_case_modules()
+    modules, import_failures = _load_case_modules()
     groups = args.groups.split(",") if args.groups else None
     env = harness.environment()
     print(env, flush=True)
 
-    failures, checks = [], {}
+    failures, checks = list(import_failures), {}
     if not args.skip_checks:
         for module in modules:
             for fn_name in ("check_codec", "check_kernel"):

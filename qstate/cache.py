@@ -83,6 +83,12 @@ class ReplayCache:
     drafts: Optional[torch.Tensor] = None
     commit_errors: Optional[torch.Tensor] = None
 
+    def __setattr__(self, name, value):
+        # The kernels take the seed as it is at each call: a seed set later is checked like one given.
+        if name == "seed":
+            _check_seed(value)
+        super().__setattr__(name, value)
+
     def __post_init__(self):
         # Caches built before speculative decoding existed get its two small counters here.
         if self.drafts is None:
@@ -102,7 +108,8 @@ class ReplayCache:
 
         ``checkpoint`` and ``read`` are format strings (``read=None``: no read copy, outputs
         read the checkpoint). ``input_dtype`` is the dtype of the ring's ``x`` and ``B`` (the
-        dtype of the decode inputs; fp32, bf16 or fp16). ``seed`` seeds stochastic rounding.
+        dtype of the decode inputs; fp32, bf16 or fp16). ``seed``, an int in ``[0, 2**31)``,
+        seeds stochastic rounding (the rule of every seed in qstate: nothing is masked).
         ``max_draft``: the most draft tokens one :func:`qstate.replay_verify` may append (0: no
         speculative decoding); the ring then holds ``ring_len + max_draft`` tokens.
         """
@@ -158,9 +165,12 @@ class ReplayCache:
         Nothing is copied or cleared: zero ``flush_rows``, ``flush_counters``, ``drafts`` and
         ``commit_errors`` and :meth:`reset` every slot before the first decode step. The ring's
         length is ``ring_len + max_draft``; ``drafts`` and ``commit_errors`` are allocated
-        (zeroed) when not given.
+        (zeroed) when not given. The kernels address a slot's ring at its cursor, so the
+        cursors and drafts are read once here (one host sync) and must lie in the ring:
+        ``0 <= cursor < ring_len + max_draft``, ``0 <= drafts <= max_draft`` and
+        ``cursor + drafts <= ring_len + max_draft``.
         """
-        ck_fmt, read_fmt = _formats(checkpoint_format, read_format)
+        ck_fmt, read_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
         _validate.tensor("ring_x", ring_x, ndim=4)
         _check_max_draft(max_draft)
         _check_seed(seed)
@@ -175,6 +185,7 @@ class ReplayCache:
             drafts=drafts, commit_errors=commit_errors,
         )
         cache.validate()
+        _check_ring_positions(cache)
         return cache
 
     def validate(self) -> None:
@@ -328,7 +339,8 @@ class ReplayCache:
         ``state (len(slots), nheads, headdim, dstate)``, floating point (the prefill's final
         state), any device. The checkpoint stores ``quantize(state, checkpoint_format)`` and the
         read copy ``quantize(dequantize(checkpoint), read_format)``, as the reference does.
-        Stochastic checkpoint formats draw from ``generator``.
+        Stochastic formats (checkpoint and read copy) draw from ``generator`` (None: torch's
+        global generator).
         """
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
@@ -347,7 +359,7 @@ class ReplayCache:
         if self.checkpoint_scale is not None:
             self.checkpoint_scale[idx] = ck.scale
         if self.read is not None:
-            rd = quantize(dequantize(ck), self.read_format)
+            rd = quantize(dequantize(ck), self.read_format, generator=generator)
             self.read[idx] = rd.data
             if self.read_scale is not None:
                 self.read_scale[idx] = rd.scale
@@ -397,11 +409,11 @@ class ReplayCache:
         return (decay * S + ring).float()
 
 
-def _formats(checkpoint: FormatLike, read: Optional[FormatLike]):
-    ck_fmt = as_format(checkpoint, "checkpoint")
-    read_fmt = None if read is None else as_format(read, "read")
+def _formats(checkpoint: FormatLike, read: Optional[FormatLike], names=("checkpoint", "read")):
+    ck_fmt = as_format(checkpoint, names[0])
+    read_fmt = None if read is None else as_format(read, names[1])
     if ck_fmt.granularity not in (None, "row"):
-        raise ValueError(f"checkpoint: expected fp32, bf16, fp16 (optionally +sr) or an 8-bit ':row' format, got {ck_fmt}")
+        raise ValueError(f"{names[0]}: expected fp32, bf16, fp16 (optionally +sr) or an 8-bit ':row' format, got {ck_fmt}")
     return ck_fmt, read_fmt
 
 
@@ -409,14 +421,44 @@ def _device(device) -> torch.device:
     if device is None:
         return torch.device("cpu")
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device: expected a torch.device, a device string or None, got {device!r}") from None
+    if device.type != "meta":
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as err:
+            raise ValueError(f"device: {device} is not usable on this machine ({str(err).splitlines()[0]})") from None
+    return device
+
+
+SEED_LIMIT = 2**31
 
 
 def _check_seed(seed) -> None:
+    """Seeds are ints in [0, 2**31): the kernels add the slot and generation above bit 31."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
+
+
+def _check_ring_positions(cache: "ReplayCache") -> None:
+    """Cursors and drafts inside each slot's ring (a kernel addresses the ring at them)."""
+    cap = cache.capacity
+    cursor, drafts = cache.cursor.long().cpu(), cache.drafts.long().cpu()
+    bad = (cursor < 0) | (cursor >= cap)
+    if bool(bad.any()):
+        raise ValueError(f"cursor: expected values in [0, {cap}) (ring_len + max_draft), got {cursor[bad].tolist()} "
+                         f"at slots {bad.nonzero().flatten().tolist()}")
+    bad = (drafts < 0) | (drafts > cache.max_draft)
+    if bool(bad.any()):
+        raise ValueError(f"drafts: expected values in [0, {cache.max_draft}] (max_draft), got "
+                         f"{drafts[bad].tolist()} at slots {bad.nonzero().flatten().tolist()}")
+    bad = cursor + drafts > cap
+    if bool(bad.any()):
+        raise ValueError(f"drafts: expected cursor + drafts <= {cap} (ring_len + max_draft), got "
+                         f"{(cursor + drafts)[bad].tolist()} at slots {bad.nonzero().flatten().tolist()}")
 
 
 def _check_max_draft(max_draft) -> None:

@@ -1,17 +1,22 @@
 """The ``qstate`` command: ``qstate drift``, ``qstate choose``, ``qstate models``.
 
-    qstate drift --model nemotron-h-8b [--schemes fp32,fp8_e4m3:row,...] [--steps 8192] [--out report]
+    qstate drift --model nemotron-h-8b [--schemes fp32,fp8_e4m3:row,...] [--steps 8192] [--out report] [--force]
     qstate drift --config path/to/config.json ...
     qstate drift --hf-model path/to/weights [--schemes ...] [--new-tokens 64] [--prompt TEXT] [--device cuda]
     qstate choose --model nemotron-h-8b --tolerance 1e-2 [--objective memory]
     qstate models
 
 Scheme strings: ``<format>`` (conventional) or ``replay/<checkpoint>[/<read>]/<ring_len>``.
+
+``drift`` checks ``--out`` (a folder it can write, holding no earlier report unless ``--force``)
+before simulating, prints the summary and writes the markdown and JSON before the figure; the
+figure needs matplotlib (the ``notebooks`` extra) and is skipped, saying so, without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -25,9 +30,44 @@ __all__ = ["main"]
 
 
 def _profile(args) -> profiles.Profile:
-    if args.config:
+    if not args.config:
+        return profiles.get(args.model)
+    try:
         return profiles.from_hf_config(args.config)
-    return profiles.get(args.model)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"argument --config: {str(err).removeprefix('config: ')}") from None
+
+
+# What a drift report writes; an --out folder holding any of them is refused unless --force.
+_REPORT_FILES = ("report.md", "drift.json", "drift.png")
+_HF_REPORT_FILES = ("model_drift.md", "model_drift.json", "model_drift.png")
+
+
+def _prepare_out(out: str, force: bool, files: Sequence[str]) -> None:
+    """Create ``out`` and check that it takes a file, before any simulation: a report that cannot
+    be written, or one that would overwrite an earlier one, is refused first."""
+    earlier = [name for name in files if os.path.exists(os.path.join(out, name))]
+    if earlier and not force:
+        raise ValueError(f"argument --out: {out!r} already holds a report ({', '.join(earlier)}); "
+                         f"give another folder or --force to overwrite it")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".qstate-write-check")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"argument --out: cannot write a report into {out!r} ({err.strerror or err})") from None
+
+
+def _have_matplotlib() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # None in sys.modules, or a module without a spec
+        return False
+
+
+_PLOT_SKIPPED = "plot skipped: matplotlib is not installed (an optional extra: pip install 'qstate[notebooks]')"
 
 
 def _count(text: str) -> int:
@@ -89,8 +129,15 @@ def _check_prompt(path: str, prompt: str) -> None:
 
 
 def _drift_hf(args) -> int:
-    from .analysis.model_drift import DEFAULT_HF_SCHEMES, hf_model_report
     from .analysis.schemes import parse_schemes
+    from .integrations.hf_import import import_transformers
+
+    try:
+        import_transformers()
+    except ImportError as err:
+        raise ValueError(f"argument --hf-model: needs transformers (the 'hf' extra: pip install 'qstate[hf]'), "
+                         f"which does not import here ({err})") from None
+    from .analysis.model_drift import DEFAULT_HF_SCHEMES, hf_model_report
 
     simulation_only = [f"--{name}" for name in ("steps", "heads", "every") if hasattr(args, name)]
     if simulation_only:
@@ -104,10 +151,13 @@ def _drift_hf(args) -> int:
         _check_prompt(args.hf_model, args.prompt)
     new_tokens = 64 if args.new_tokens is None else args.new_tokens
     prompt_tokens = 32 if args.prompt_tokens is None else args.prompt_tokens
+    _prepare_out(args.out, args.force, _HF_REPORT_FILES)
+    plot = _have_matplotlib()
     result = hf_model_report(args.hf_model, schemes, new_tokens, prompt=args.prompt, prompt_tokens=prompt_tokens,
-                             batch=args.batch, seed=args.seed, device=args.device, out=args.out)
+                             batch=args.batch, seed=args.seed, device=args.device, out=args.out, plot=plot)
     print(result.to_markdown())
-    print(f"\nwrote {args.out}/model_drift.md, model_drift.json and model_drift.png")
+    print(f"\nwrote {args.out}/model_drift.md, model_drift.json" + (" and model_drift.png" if plot else
+                                                                     f"; {_PLOT_SKIPPED}"))
     return 0
 
 
@@ -127,12 +177,15 @@ def _drift(args) -> int:
     steps = getattr(args, "steps", 8192)
     every = getattr(args, "every", max(1, steps // 512))
     schemes = parse_schemes(",".join(DEFAULT_SCHEMES) if args.schemes is None else args.schemes)
+    _prepare_out(args.out, args.force, _REPORT_FILES)
     result = simulate(profile, schemes, steps, batch=args.batch, heads=getattr(args, "heads", 16), seed=args.seed,
                       device=args.device, every=every)
-    command = "qstate " + " ".join(shlex.quote(a) for a in args.argv)
-    path = write_report(result, args.out, command)
     print(result.summary().markdown())
-    print(f"\nwrote {path}, drift.png and drift.json ({result.elapsed_s:.1f} s simulated)")
+    command = "qstate " + " ".join(shlex.quote(a) for a in args.argv)
+    plot = _have_matplotlib()
+    path = write_report(result, args.out, command, plot=plot)
+    print(f"\nwrote {path} and drift.json" + (", drift.png" if plot else f"; {_PLOT_SKIPPED}") +
+          f" ({result.elapsed_s:.1f} s simulated)")
     return 0
 
 
@@ -187,7 +240,8 @@ def _parser() -> argparse.ArgumentParser:
     drift.add_argument("--every", type=_count, default=argparse.SUPPRESS,
                        help="record every N steps (default: steps / 512)")
     drift.add_argument("--out", type=_folder, default="report",
-                       help="output folder (report.md, drift.png, drift.json)")
+                       help="output folder (report.md, drift.json, drift.png); one holding a report is refused")
+    drift.add_argument("--force", action="store_true", help="overwrite a report already in --out")
     # The --hf-model options default to None so that one given without --hf-model is refused.
     drift.add_argument("--new-tokens", type=_count, default=None, help="--hf-model: decode steps (default: 64)")
     drift.add_argument("--prompt", help="--hf-model: prompt text, encoded by the model's tokenizer")

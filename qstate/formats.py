@@ -354,16 +354,25 @@ def quantize(
 
 
 def dequantize(q: QuantizedState) -> torch.Tensor:
-    """fp32 values of a :class:`QuantizedState`: ``code * scale`` (one fp32 rounding)."""
+    """fp32 values of a :class:`QuantizedState`: ``code * scale`` (one fp32 rounding).
+
+    ``q.data`` must be in the format's storage dtype (an fp8 format's codes as
+    ``torch.float8_*``, not viewed as ``uint8``) and ``q.scale`` fp32 of the format's scale
+    shape (None for unscaled formats); anything else raises, naming ``q``."""
     if not isinstance(q, QuantizedState):
         raise TypeError(f"q: expected a QuantizedState, got {type(q).__name__}")
     if not isinstance(q.fmt, StateFormat):
         raise TypeError(f"q: expected fmt to be a StateFormat, got {type(q.fmt).__name__}")
     _validate.tensor("q", q.data, floating=False)
+    # Codes in another dtype (fp8 viewed as uint8, int8 labelled fp8) would decode to other numbers.
+    if q.data.dtype != q.fmt.storage_dtype:
+        raise TypeError(f"q: expected codes of dtype {q.fmt.storage_dtype} for {q.fmt}, got {q.data.dtype}")
     _check_state_shape("q", tuple(q.data.shape), q.fmt)
     expected = q.fmt.scale_shape(q.data.shape)
     if q.scale is not None and not isinstance(q.scale, torch.Tensor):
         raise TypeError(f"q: expected scale to be a torch.Tensor or None, got {type(q.scale).__name__}")
+    if q.scale is not None and q.scale.dtype != torch.float32:
+        raise TypeError(f"q: expected an fp32 scale, got {q.scale.dtype}")
     got = None if q.scale is None else tuple(q.scale.shape)
     if got != expected:
         raise ValueError(f"q: expected scale shape {expected} for data {tuple(q.data.shape)} in {q.fmt}, got {got}")

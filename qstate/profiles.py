@@ -14,6 +14,7 @@ transformers ``config.json``; :func:`calibrate` measures a model's own decode.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional, Union
 
@@ -63,6 +64,9 @@ def get(name: Union[str, Profile, DeltaRuleProfile]) -> AnyProfile:
     return _PROFILES[name]
 
 
+# One sequence's state of one layer; larger does not fit the kernels' 32-bit offsets.
+MAX_STATE_ELEMENTS = 2**31
+
 _ALIASES = {
     "nheads": ("mamba_num_heads", "num_heads"),
     "headdim": ("mamba_head_dim", "head_dim"),
@@ -105,11 +109,13 @@ def _read_config(config: Union[str, os.PathLike, dict]) -> tuple[dict, str]:
         path = os.fspath(config)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             try:
                 cfg = json.load(fh)
             except json.JSONDecodeError as err:
                 raise ValueError(f"config: expected JSON in {path}, got a syntax error: {err}") from None
+            except UnicodeDecodeError as err:
+                raise ValueError(f"config: expected UTF-8 JSON in {path}, got {err.reason} at byte {err.start}") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"config: expected a JSON object in {path}, got a {type(cfg).__name__}")
         name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-config"
@@ -135,6 +141,9 @@ def from_hf_config(config: Union[str, os.PathLike, dict]) -> Union[Profile, Delt
     if missing:
         raise ValueError(f"config: not a Mamba-2 config; missing {', '.join(missing)}")
     shape = [config_count(*found) for found in fields.values()]
+    if math.prod(shape[:3]) > MAX_STATE_ELEMENTS:
+        raise ValueError(f"config: nheads × headdim × dstate = {' × '.join(map(str, shape[:3]))} state elements "
+                         f"per sequence, expected at most 2**31 (the kernels' 32-bit offsets)")
     layers = _ssm_layers(cfg)
     steps = {k: found for k in ("dt_min", "dt_max", "dt_floor") if (found := _first(cfg, k)) is not None}
     try:

@@ -1,6 +1,6 @@
 """Test setup: kernels run under the Triton interpreter on machines without a GPU.
 
-TRITON_INTERPRET must be set before any kernel module is imported (DESIGN.md §7).
+TRITON_INTERPRET must be set before any kernel module is imported (docs/design.md#triton-interpreter).
 """
 
 import os
@@ -16,7 +16,21 @@ from hypothesis import settings  # noqa: E402
 # CI replays the same examples every run; locally HYPOTHESIS_PROFILE=explore searches further.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, max_examples=500)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def pytest_configure(config):
+    # Under CI the transformers tests must run: a failed import would turn them into skips and
+    # leave the run green.
+    if os.environ.get("CI") == "true":
+        from qstate.integrations.hf_import import import_transformers
+
+        try:
+            import_transformers()
+        except ImportError as err:
+            raise pytest.UsageError(f"CI=true: transformers must import (the tests of the 'hf' extra would be "
+                                    f"skipped otherwise), got {type(err).__name__}: {err}") from None
 
 
 @pytest.fixture(autouse=True)

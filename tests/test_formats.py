@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from helpers import ci_examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qstate import QuantizedState, StateFormat, dequantize, quantize
@@ -135,7 +136,7 @@ def sample(shape, log10_mag, seed):
     return x.float()
 
 
-@settings(max_examples=60)
+@ci_examples(60)
 @given(
     fmt=st.sampled_from(ALL_FORMATS),
     rows=st.integers(1, 3),
@@ -236,7 +237,7 @@ def test_roundtrip_equals_quantize_dequantize_with_inf_and_nan(fmt):
     assert torch.equal(codes[keep], q.data.float()[keep])
 
 
-@settings(max_examples=60)
+@ci_examples(60)
 @given(fmt=st.sampled_from(ALL_FORMATS), log2_mag=st.integers(-160, -110), seed=st.integers(0, 2**31 - 1))
 def test_requantizing_tiny_values_reproduces_codes_and_scales(fmt, log2_mag, seed):
     """Subnormal and tiny groups next to zero ones: re-quantizing the values gives the codes back,

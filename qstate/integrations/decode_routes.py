@@ -213,7 +213,7 @@ class ConventionalRoute(LayerRoute):
         y = self._op(
             self.codes, step.x, step.dt, step.A, step.B, step.C, step.D, step.z, step.dt_bias, step.dt_softplus,
             state_scale=self.scale, state_format=str(self.fmt),
-            seed=self.seed + self.steps if self.fmt.stochastic else None,
+            seed=(self.seed + self.steps) % 2**31 if self.fmt.stochastic else None,  # the ops take 31-bit seeds
         )
         if not self._in_place:
             state.copy_(dequantize(QuantizedState(self.codes, self.scale, self.fmt)))

@@ -58,7 +58,11 @@ def resolve_format(state_format, state: torch.Tensor) -> FormatConstants:
 
 def _untie(name: str, t: Optional[torch.Tensor], compact_dim: int, tied_dims: int) -> Optional[torch.Tensor]:
     """mamba_ssm's expanded form (``tied_dims`` trailing dims of stride 0) → the compact tensor."""
-    if t is None or t.dim() == compact_dim:
+    if t is None:
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == compact_dim:
         return t
     if t.dim() != compact_dim + tied_dims:
         raise ValueError(f"{name}: expected {compact_dim} dimensions (or {compact_dim + tied_dims} with stride 0 "
@@ -138,7 +142,10 @@ def check_state(state: torch.Tensor, state_scale: Optional[torch.Tensor], consts
         raise ValueError(f"{name}: expected shape (nslots, nheads, headdim, dstate), got {tuple(state.shape)}")
     if state.dtype != fmt.storage_dtype:
         raise TypeError(f"{name}: expected dtype {fmt.storage_dtype} for state_format '{fmt}', got {state.dtype}")
+    if min(state.shape[2:]) < 1:
+        raise ValueError(f"{name}: expected headdim, dstate >= 1, got shape {tuple(state.shape)}")
     unit_inner_stride(name, state)
+    distinct_slots(name, state)
     if fmt.granularity == "block32" and state.shape[-1] % 32:
         raise ValueError(f"{name}: block32 needs dstate % 32 == 0, got dstate {state.shape[-1]}")
     expected = fmt.scale_shape(state.shape)
@@ -154,8 +161,16 @@ def check_state(state: torch.Tensor, state_scale: Optional[torch.Tensor], consts
     _validate.shape(scale_name, state_scale, expected, f"the scale shape of '{fmt}'")
     if fmt.granularity == "block32":
         unit_inner_stride(scale_name, state_scale)
+    distinct_slots(scale_name, state_scale)
     if state_scale.device != state.device:
         raise ValueError(f"{scale_name}: expected a tensor on {state.device}, got {state_scale.device}")
+
+
+def distinct_slots(name: str, t: torch.Tensor) -> None:
+    """Slots in distinct memory: with a slot stride of 0 two rows would update one state."""
+    if t.dim() and t.shape[0] > 1 and t.stride(0) == 0 and t[0].numel():
+        raise ValueError(f"{name}: expected a nonzero stride between slots (each slot its own memory), "
+                         f"got strides {t.stride()}")
 
 
 def check_slot_indices(indices: Optional[torch.Tensor], batch: int, nslots: int, device: torch.device) -> None:
@@ -185,15 +200,19 @@ def unit_stride_indices(name: str, indices: torch.Tensor) -> None:
 
 
 def check_slot_values(indices: torch.Tensor, nslots: int, pad_slot_id: int = -1) -> None:
-    """Indices ``< nslots`` unless padding (negative or ``pad_slot_id``), for a CPU tensor (a
-    value check: it runs on every call, not once per signature; a GPU tensor is not read, which
-    would sync)."""
-    if indices.device.type != "cpu" or not indices.numel():
+    """Indices ``< nslots`` and no slot twice (two rows would race on one state), padding
+    (negative or ``pad_slot_id``) aside, for a CPU tensor (a value check: it runs on every call,
+    not once per signature). A GPU tensor is not read, which would sync: there both rules are
+    the caller's contract."""
+    if indices.device.type != "cpu" or not indices.numel() or torch.compiler.is_compiling():
         return
-    past = indices[(indices >= nslots) & (indices != pad_slot_id)]
+    live = indices[(indices >= 0) & (indices != pad_slot_id)]
+    past = live[live >= nslots]
     if past.numel():
         raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative or pad_slot_id = "
                          f"{pad_slot_id}: padding), got {int(past.max())}")
+    if torch.unique(live).numel() != live.numel():
+        raise ValueError(f"state_batch_indices: expected no slot to repeat within one call, got {indices.tolist()}")
 
 
 def check_out(out: torch.Tensor, x: torch.Tensor) -> None:

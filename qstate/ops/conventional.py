@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _validate
+from ..cache import SEED_LIMIT
 from ..kernels.mamba2 import conventional as _kernel
 from . import _common, _signature
 from ._register import eager, mutating_op
@@ -55,7 +56,9 @@ def _resolve_seed(seed, consts, device):
         return (int(torch.randint(0, 2**31 - 1, ())) if consts.stochastic else 0), None
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, a device tensor or None, got {type(seed).__name__}")
-    return seed & 0x7FFFFFFF, None
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
+    return seed, None
 
 
 def _check_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, state_scale,
@@ -134,10 +137,13 @@ def selective_state_update(
     code can differ by one grid step from ``decode_naive``'s where the quotient lies within an
     ulp of a rounding boundary (at most 7 codes in 10⁶ in the H200 check; on CPU tensors the
     codes are bit-identical). ``state_format`` None means the unscaled format of the state's
-    dtype (mamba_ssm's behaviour). ``seed``: an int, a one-element device tensor
-    (read by the kernel; refill it between CUDA-graph replays), or None (drawn from torch's CPU
-    generator). An index ``≥ nslots`` raises on CPU; on a GPU (no sync) that row's output is NaN
-    and nothing is written. A NaN or inf in a row's inputs stays in that row: its output and its
+    dtype (mamba_ssm's behaviour). ``seed``: an int in ``[0, 2**31)`` (others raise; nothing is
+    masked), a one-element int32/int64 device tensor (read by the kernel; refill it between
+    CUDA-graph replays) holding a value in the same range, which gives the same noise as that
+    int (the value is not checked: that would sync), or None (drawn from torch's CPU
+    generator). An index ``≥ nslots`` or a slot named twice (padding aside) raises on CPU; on a
+    GPU (no sync) such rows are the caller's contract: a row ``≥ nslots`` outputs NaN and
+    writes nothing, two rows of one slot race. A state whose slot stride is 0 raises. A NaN or inf in a row's inputs stays in that row: its output and its
     slot's state may become NaN, inf or saturated codes (with scales of no use); no other slot
     is read or written. Returns ``out`` (allocated like ``x`` when None).
     """

@@ -35,6 +35,8 @@ __all__ = ["mamba2_step", "decode_exact", "decode_naive", "decode_replay", "proc
 
 def process_dt(dt: torch.Tensor, dt_bias: Optional[torch.Tensor] = None, dt_softplus: bool = False) -> torch.Tensor:
     """``dt + dt_bias`` then ``softplus`` (identity above 20), in ``dt``'s dtype."""
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:

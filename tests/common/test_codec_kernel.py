@@ -8,7 +8,8 @@ with and without the GPU's conversion instructions.
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from helpers import ci_examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qstate import formats
@@ -157,7 +158,7 @@ def test_codec_with_multiword_noise_matches_formats(text, sr_stream, rounds, bit
     assert torch.equal(noise * 2**bits, torch.floor(noise * 2**bits))
 
 
-@settings(max_examples=40)
+@ci_examples(40)
 @given(
     values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=True), min_size=64, max_size=64),
     text=st.sampled_from(["bf16+sr", "fp16+sr", "int8:row+sr", "fp8_e4m3:row+sr", "fp8_e5m2:head+sr"]),

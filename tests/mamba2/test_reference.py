@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from helpers import ci_examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qstate import profiles
@@ -187,7 +188,7 @@ def test_naive_stores_the_state_in_its_format(fmt):
     assert torch.equal(dequantize(quantize(S, fmt, generator=torch.Generator().manual_seed(1))), S)
 
 
-@settings(max_examples=8)
+@ci_examples(8)
 @given(seed=st.integers(0, 1000), T=st.integers(1, 24), ring_len=st.integers(1, 8))
 def test_replay_fp32_tracks_exact_for_any_schedule(seed, T, ring_len):
     inp = random_inputs(T, batch=1, nheads=2, headdim=4, dstate=8, ngroups=1, seed=seed)

@@ -25,7 +25,8 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from helpers import ci_examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qstate import reference
@@ -485,7 +486,7 @@ def test_cuda_graph_free_bookkeeping_leaves_no_host_state(step_kernel):
 # ---------------------------------------------------------------------------- long horizon
 
 
-@settings(max_examples=3)
+@ci_examples(3)
 @given(seed=st.integers(0, 2**16), decay_floor=st.floats(0.995, 0.999))
 def test_replay_error_does_not_grow_while_naive_fp8_does(seed, decay_floor):
     """2,048 steps on slow heads (per-step decay in [decay_floor, 0.9995]): the replay
