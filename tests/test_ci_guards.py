@@ -7,28 +7,30 @@ import re
 import subprocess
 import sys
 
-import conftest
 from hypothesis import settings
+
+from helpers import ci_examples
 
 TESTS = pathlib.Path(__file__).parent
 
 
 def test_explore_profile_keeps_its_budget_where_ci_sets_one(monkeypatch):
-    assert conftest.ci_examples(3).max_examples == (3 if conftest.PROFILE == "ci" else
-                                                    settings.get_profile(conftest.PROFILE).max_examples)
+    loaded = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "ci")
+    assert ci_examples(3).max_examples == 3
     try:
         settings.load_profile("explore")
-        monkeypatch.setattr(conftest, "PROFILE", "explore")
-        assert conftest.ci_examples(3).max_examples == settings.get_profile("explore").max_examples == 500
+        monkeypatch.setenv("HYPOTHESIS_PROFILE", "explore")
+        assert ci_examples(3).max_examples == settings.get_profile("explore").max_examples == 500
     finally:
-        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+        settings.load_profile(loaded)
 
 
 def test_no_test_fixes_its_example_count_for_every_profile():
     """A plain ``@settings(max_examples=n)`` would override the explore profile's budget."""
     fixed = [f"{p.relative_to(TESTS)}:{i + 1}" for p in TESTS.rglob("test_*.py")
              for i, line in enumerate(p.read_text().splitlines()) if re.match(r"\s*@settings\(.*max_examples", line)]
-    assert not fixed, f"use conftest.ci_examples(n) instead: {fixed}"
+    assert not fixed, f"use helpers.ci_examples(n) instead: {fixed}"
 
 
 def test_ci_fails_without_transformers(tmp_path):
