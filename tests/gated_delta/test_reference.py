@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import ci_examples
 from qstate.reference import gated_delta as gd
 
 EPS32 = 2.0**-24
@@ -186,7 +187,7 @@ def test_replay_read_copy_error_does_not_accumulate_in_outputs():
 
 # ----------------------------------------------------------------------------- properties
 
-@settings(max_examples=12)
+@ci_examples(12)
 @given(
     HK=st.integers(1, 2), group=st.integers(1, 3), K=st.sampled_from([3, 8, 13]), V=st.integers(1, 7),
     T=st.integers(1, 12), L=st.integers(1, 6), channel=st.booleans(), ring=st.sampled_from(gd.RING_KINDS),
