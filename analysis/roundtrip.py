@@ -6,7 +6,7 @@ those values with as few passes over memory as torch allows, bit for bit equal t
 
 * round-to-nearest-even goes through torch's own casts (fp32 → bf16 / fp16 / fp8 round to
   nearest even, subnormals included) after the explicit clamp to ``±qmax``, so no cast ever
-  sees an out-of-range value (the torch-version differences of DESIGN.md §7 are about those);
+  sees an out-of-range value (the torch-version differences in docs/design.md#triton-interpreter are about those);
   int8 uses ``torch.round`` (half to even);
 * stochastic rounding draws its noise exactly as :func:`qstate.formats.quantize` does, so a
   generator seeded like the one given to :func:`qstate.reference.decode_naive` draws the same

@@ -1,4 +1,4 @@
-"""Storage schemes of the decode state and what they cost (DESIGN.md §2–3).
+"""Storage schemes of the decode state and what they cost (docs/design.md#conventional-decode, #replay).
 
 A scheme is one of
 
@@ -154,7 +154,7 @@ RING_LENS = (8, 16, 32)
 
 
 def candidate_schemes() -> list[Scheme]:
-    """The chooser's default candidates: conventional in every format of DESIGN.md §4 (round to
+    """The chooser's default candidates: conventional in every format of docs/design.md#formats (round to
     nearest), and replay with every checkpoint × read copy × ring length above (72 schemes)."""
     conv = [Scheme.conventional(f) for f in CONVENTIONAL_FORMATS]
     replay = [Scheme.replay(c, r, L) for c in CHECKPOINTS for r in READS for L in RING_LENS]

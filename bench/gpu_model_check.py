@@ -1,7 +1,7 @@
 """GPU check of the transformers drop-in: ``model.generate()`` through qstate's real kernels.
 
-Builds random-initialised Mamba2 and Nemotron-H models with published head shapes (DESIGN.md
-§6, fewer layers and a small vocabulary; no downloads), in fp32 and bf16, on the GPU. For each,
+Builds random-initialised Mamba2 and Nemotron-H models with published head shapes (docs/design.md#model-shapes,
+fewer layers and a small vocabulary; no downloads), in fp32 and bf16, on the GPU. For each,
 greedy ``generate()`` unpatched and patched with each scheme; reports whether qstate ran every
 decode step of every layer, whether each replay cache flushed and holds the ring it should
 after them, token agreement with the unpatched run, the largest relative logit difference,

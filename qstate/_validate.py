@@ -43,7 +43,7 @@ class Dims:
 
 
 def decode_inputs(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, *, time_major: bool = False) -> Dims:
-    """Check the Mamba-2 decode arguments in compact form (DESIGN.md §1).
+    """Check the Mamba-2 decode arguments in compact form (docs/design.md#recurrence).
 
     One token: ``x (batch, nheads, headdim)``; with ``time_major`` the inputs carry a leading
     ``T`` dimension.

@@ -1,4 +1,4 @@
-"""``ReplayCache``: the device tensors of replay decoding (DESIGN.md §3, §3.1).
+"""``ReplayCache``: the device tensors of replay decoding (docs/design.md#replay, #read-copy).
 
 One cache serves one SSM layer. Per slot (one sequence) it holds:
 
@@ -28,8 +28,8 @@ rounding draws its noise from it, so replaying a CUDA graph draws fresh noise.
 full): ``flush_counters`` is zero between calls, and ``flush_rows`` keeps the last list, which
 nothing reads past the count.
 
-Speculative decoding (:func:`qstate.replay_verify`, :func:`qstate.replay_commit`, DESIGN.md
-§3.2) needs room for the drafts beyond the committed tokens: ``allocate(..., max_draft=T_max)``
+Speculative decoding (:func:`qstate.replay_verify`, :func:`qstate.replay_commit`, docs/design.md#speculative)
+needs room for the drafts beyond the committed tokens: ``allocate(..., max_draft=T_max)``
 makes the ring ``capacity = ring_len + max_draft`` tokens long (``capacity == ring_len``
 without it). ``drafts[s]`` counts the tokens a verify appended beyond the cursor (0: nothing
 to commit); ``commit_errors`` collects the bits of commits refused on the device
@@ -384,7 +384,7 @@ class ReplayCache:
         """fp32 state of ``slots`` with their rings folded in: ``(n, nheads, headdim, dstate)``.
 
         ``S = exp(A·Λ)·deq(checkpoint) + Σ_j exp(A·(Λ − Λ_j))·dt_j · x_j ⊗ B_j`` over the
-        ``cursor`` tokens in each ring (DESIGN.md §3), computed in fp64 and rounded to fp32.
+        ``cursor`` tokens in each ring (docs/design.md#replay), computed in fp64 and rounded to fp32.
         ``A (nheads,)`` is the layer's ``A``, needed for the decay. Ring entries past the
         cursor (tokens of an earlier cycle, rejected drafts) are not read, so a NaN there does
         not reach the result.

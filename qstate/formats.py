@@ -1,6 +1,6 @@
 """State formats and their codecs (quantize / dequantize), in plain torch.
 
-A format string is ``<dtype>[:<granularity>][+sr]`` (DESIGN.md §4):
+A format string is ``<dtype>[:<granularity>][+sr]`` (docs/design.md#formats):
 
 * dtype: ``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3`` (max 448), ``fp8_e5m2`` (max 57344),
   ``int8`` (symmetric, ±127).

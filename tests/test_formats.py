@@ -1,4 +1,4 @@
-"""State formats and codecs against their definition (qstate/formats.py, DESIGN.md §4)."""
+"""State formats and codecs against their definition (qstate/formats.py, docs/design.md#formats)."""
 
 import math
 

@@ -37,7 +37,7 @@ def test_bad_ring_length():
 
 
 def test_bytes_follow_the_design_formulas():
-    # DESIGN.md §2–3: conventional 2·s; replay s_read + 2·s_ck/L (s_ck + s_ck/L without a read copy).
+    # docs/design.md#conventional-decode, #replay: conventional 2·s; replay s_read + 2·s_ck/L (s_ck + s_ck/L without a read copy).
     P, N = NEMOTRON.headdim, NEMOTRON.dstate
     token = (P * 2 + N * 2 / 16 + 4) / (P * N)  # x, B shared by 16 heads, dt: per state element
     assert Scheme.parse("fp32").bytes_per_step(NEMOTRON) == 8.0

@@ -3,7 +3,7 @@
 transformers calls ``mamba2_selective_state_update(state, x, dt, A, B, C, D, dt_bias=…,
 dt_softplus=True, z=…)`` with its own fp32 state tensor ``state (batch, nheads, headdim, dstate)``
 and mamba_ssm's tied-stride expanded parameters. A route turns those into qstate's compact shapes
-(DESIGN.md §1), runs one qstate op on the state it keeps in the scheme's storage, and writes
+(docs/design.md#recurrence), runs one qstate op on the state it keeps in the scheme's storage, and writes
 the value that storage holds back into transformers' tensor, so that anything transformers does
 with its cache (a further prefill chunk, beam reordering, cropping) sees qstate's state. That
 write, and the copy of it each route keeps (below), cost two fp32 state writes per step and one

@@ -99,9 +99,9 @@ def replay_decode(
     D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False, slot_indices: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One decode token per batch row with replay state (DESIGN.md §3, §3.1).
+    """One decode token per batch row with replay state (docs/design.md#replay, #read-copy).
 
-    Shapes (compact Mamba-2, DESIGN.md §1):
+    Shapes (compact Mamba-2, docs/design.md#recurrence):
 
     ==================  ==============================================
     ``x``, ``z``        ``(batch, nheads, headdim)``, ``cache.input_dtype``

@@ -1,4 +1,4 @@
-"""Speculative decoding (DESIGN.md §3.2) as ``torch.library`` custom ops with fake impls:
+"""Speculative decoding (docs/design.md#speculative) as ``torch.library`` custom ops with fake impls:
 
 * :func:`replay_verify` / :func:`replay_commit` on a :class:`~qstate.ReplayCache` allocated with
   ``max_draft``: verify writes no state (except an early flush of committed tokens), commit is a
@@ -175,7 +175,7 @@ def replay_verify(
     D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False, slot_indices: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Outputs of T draft tokens per row from replay state, without writing state (DESIGN.md §3.2).
+    """Outputs of T draft tokens per row from replay state, without writing state (docs/design.md#speculative).
 
     ==================  ==============================================
     ``x``, ``z``        ``(batch, T, nheads, headdim)``; ``x`` in ``cache.input_dtype``

@@ -1,4 +1,4 @@
-"""Reference recurrences in plain torch: exact, naive quantized, and replay (DESIGN.md §1–3).
+"""Reference recurrences in plain torch: exact, naive quantized, and replay (docs/design.md#recurrence to #read-copy).
 
 Inputs are time-major and in compact Mamba-2 form:
 
@@ -157,7 +157,7 @@ def decode_replay(
     checkpoint: FormatLike = "fp32", read: Optional[FormatLike] = None, ring_len: int = 16,
     generator: Optional[torch.Generator] = None,
 ):
-    """Replay decoding (DESIGN.md §3, §3.1), in fp64.
+    """Replay decoding (docs/design.md#replay, #read-copy), in fp64.
 
     The checkpoint ``S_c`` is stored in ``checkpoint``; the read copy ``R_c = Q_read(deq(S_c))``
     in ``read`` (``None``: outputs read ``deq(S_c)``). Each token joins the ring and outputs
@@ -166,8 +166,8 @@ def decode_replay(
 
     except the token that fills the ring (``ring_len`` tokens): it flushes, and its output comes
     from the fold itself, ``y_t = S_t·C_t + D·x_t`` with ``S_t = exp(A·Λ_t)·deq(S_c) + Σ_j …``
-    the unrounded new state (DESIGN.md §1), i.e. the formula above with ``deq(S_c)`` in place of
-    ``R_c``: a flush reads the checkpoint instead of the read copy (§3.1). The fold is computed in
+    the unrounded new state (docs/design.md#recurrence), i.e. the formula above with ``deq(S_c)`` in place of
+    ``R_c``: a flush reads the checkpoint instead of the read copy (docs/design.md#read-copy). The fold is computed in
     fp64, rounded to fp32 and stored in ``checkpoint`` (one quantization per flush), and the read
     copy is rebuilt from the stored checkpoint. The initial checkpoint is ``Q_ck(state0)``.
 
