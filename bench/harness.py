@@ -270,9 +270,9 @@ def update_readme(readme: str, table: str, key: str) -> None:
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Write the table of a run's JSON into bench/README.md")
+    parser = argparse.ArgumentParser(description="Write the table of a run's JSON into bench/TABLES.md")
     parser.add_argument("json_path")
-    parser.add_argument("--readme", default=os.path.join(os.path.dirname(__file__), "README.md"))
+    parser.add_argument("--readme", default=os.path.join(os.path.dirname(__file__), "TABLES.md"))
     parser.add_argument("--key", default=None, help="marker key (default: the JSON's 'key')")
     args = parser.parse_args()
     with open(args.json_path) as fh:
