@@ -39,7 +39,8 @@ from qstate.reference import process_dt
 from .engine import Conventional, Exact, ReplayGroup, StepInputs
 from .schemes import parse_schemes
 
-__all__ = ["simulate", "measurement_cycle", "DriftResult", "Summary", "STAGNATION_THRESHOLD", "DEFAULT_CYCLE"]
+__all__ = ["simulate", "measurement_cycle", "OutputErrors", "DriftResult", "Summary", "STAGNATION_THRESHOLD",
+           "DEFAULT_CYCLE"]
 
 STAGNATION_THRESHOLD = 0.5
 DEFAULT_CYCLE = 16  # the measurement cycle of a run without replay schemes: the default ring length
@@ -99,6 +100,36 @@ def measurement_cycle(schemes, steps: int) -> int:
         raise ValueError(f"steps: expected at least {cycle} (one whole cycle of every ring length: the least "
                          f"common multiple of {', '.join(map(str, rings))}), got {steps}")
     return cycle
+
+
+class OutputErrors:
+    """The per-step measures every step feeds: each head's RMS output error over each measurement
+    cycle (cycles end at the last step: steps ``skip+1 … skip+cycle``, … with ``skip = steps mod
+    cycle``; the first ``skip`` steps fall in none) and its largest output error over every step."""
+
+    def __init__(self, nschemes: int, nheads: int, steps: int, cycle: int, device) -> None:
+        self.cycle, self.skip = cycle, steps % cycle
+        self.cycle_error = np.full((nschemes, steps // cycle, nheads), np.nan)
+        self._cycle_sq = torch.zeros((nschemes, nheads), dtype=torch.float64, device=device)
+        self._peak_sq = torch.zeros((nschemes, nheads), dtype=torch.float64, device=device)
+
+    def add(self, t: int, err_sq: torch.Tensor) -> None:
+        """Step ``t`` (1-based): ``err_sq [schemes, heads]``, the squared relative output error."""
+        torch.maximum(self._peak_sq, err_sq, out=self._peak_sq)
+        if t > self.skip:
+            self._cycle_sq += err_sq
+            if (t - self.skip) % self.cycle == 0:
+                rms = (self._cycle_sq / self.cycle).sqrt()
+                self.cycle_error[:, (t - self.skip) // self.cycle - 1] = rms.cpu().numpy()
+                self._cycle_sq.zero_()
+
+    def finish(self, failed) -> tuple[np.ndarray, np.ndarray]:
+        """``(cycle_error [schemes, cycles, heads], peak_error [schemes, heads])``, NaN for the
+        schemes (indices) in ``failed``."""
+        peak = self._peak_sq.sqrt().cpu().numpy()
+        for j in failed:
+            self.cycle_error[j], peak[j] = np.nan, np.nan
+        return self.cycle_error, peak
 
 
 def _progress(total: int, enabled: Optional[bool]):
@@ -169,10 +200,7 @@ def simulate(
     out_err = np.full((ns, nrec, nh), np.nan)
     state_err = np.full((ns, nrec, nh), np.nan)
     stalled = np.full((ns, nrec, nh), np.nan)
-    # Cycles end at the last step (steps skip+1 … skip+cycle, …); the first ``skip`` steps are in none.
-    skip = steps % cycle
-    cycle_err = np.full((ns, steps // cycle, nh), np.nan)
-    cycle_sq = torch.zeros((ns, nh), dtype=torch.float64, device=device)
+    errors = OutputErrors(ns, nh, steps, cycle, device)
     failed_at: dict[int, int] = {}
 
     conv_idx = [j for j, s in enumerate(scheme_list) if not s.is_replay]
@@ -219,13 +247,8 @@ def simulate(
             if bool(bad.any()):
                 for j in bad.nonzero().flatten().tolist():
                     failed_at.setdefault(j, t)
-            # Squared relative output error of every step, [schemes, heads]: records and cycles.
             err_sq = (y_all - y_ref).square().sum(dim=(1, 3)) / y_ref.square().sum(dim=(0, 2))
-            if t > skip:
-                cycle_sq += err_sq
-                if (t - skip) % cycle == 0:
-                    cycle_err[:, (t - skip) // cycle - 1] = (cycle_sq / cycle).sqrt().cpu().numpy()
-                    cycle_sq.zero_()
+            errors.add(t, err_sq)
             if r is not None:
                 out_err[:, r] = err_sq.sqrt().cpu().numpy()
                 exact_norm = exact.state.square().sum(dim=(0, 2, 3)).sqrt()
@@ -243,12 +266,14 @@ def simulate(
         bar.close()
     elapsed = time.perf_counter() - start_time
     for j, step in failed_at.items():
-        out_err[j], state_err[j], stalled[j], cycle_err[j] = np.nan, np.nan, np.nan, np.nan
+        out_err[j], state_err[j], stalled[j] = np.nan, np.nan, np.nan
+    cycle_err, peak = errors.finish(failed_at)
     elements = batch * nh * profile.headdim * profile.dstate
     return DriftResult(
         profile=profile, schemes=scheme_list, heads=head_list, decay=[float(d) for d in decay],
         steps=steps, batch=batch, seed=seed, every=every, recorded_steps=np.array(recorded),
         output_error=out_err, state_error=state_err, stalled=stalled, cycle=cycle, cycle_error=cycle_err,
+        peak_error=peak,
         failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
         elapsed_s=elapsed, element_steps=float(elements) * steps,
         observed_parameters=None if inputs is None else _observed_parameters(inputs, steps),
@@ -307,7 +332,8 @@ def _growth_exponent(steps: np.ndarray, err: np.ndarray, total: int) -> float:
 class DriftResult:
     """What :func:`simulate` measured. ``output_error``, ``state_error``, ``stalled``:
     ``[scheme, recorded step, head]``; ``cycle_error``: ``[scheme, cycle, head]``, each head's RMS
-    output error over the ``cycle`` steps of each measurement cycle (the last ends at the last step)."""
+    output error over the ``cycle`` steps of each measurement cycle (the last ends at the last step);
+    ``peak_error``: ``[scheme, head]``, each head's largest output error over every step."""
 
     profile: _profiles.Profile
     schemes: list
@@ -323,6 +349,7 @@ class DriftResult:
     stalled: np.ndarray
     cycle: int
     cycle_error: np.ndarray
+    peak_error: np.ndarray  # [scheme, head]: the largest output error over every step
     failed_at: dict
     elapsed_s: float
     element_steps: float  # state elements × steps, per scheme
@@ -351,6 +378,14 @@ class DriftResult:
         """Output error of scheme ``j`` per measurement cycle: RMS over the cycle's steps and the heads."""
         return np.sqrt(np.mean(self.cycle_error[j] ** 2, axis=1))
 
+    def second_half_cycles(self) -> np.ndarray:
+        """Mask of the measurement cycles that start at step ≥ T/2 (the last cycle when none does):
+        what the theory table compares (:func:`qstate.analysis.theory.measured_vs_predicted`)."""
+        chosen = self.cycle_steps - self.cycle + 1 >= self.steps / 2
+        if not chosen.any():
+            chosen[-1] = True
+        return chosen
+
     def final_window(self) -> tuple[int, int]:
         """First and last step of the last measurement cycle, which ``final_error`` covers."""
         return self.steps - self.cycle + 1, self.steps
@@ -376,7 +411,7 @@ class DriftResult:
             row.update(final_error=None, max_error=None, p99_error=None, growth_exponent=None,
                        stagnated_fraction=None)
             return row
-        per_head_max = np.max(self.output_error[j], axis=0)
+        per_head_max = self.peak_error[j]
         row.update(
             final_error=float(np.quantile(self.cycle_error[j][-1], 0.99)),
             max_error=float(np.max(per_head_max)),
@@ -408,9 +443,11 @@ class DriftResult:
             "cycle_error": "per head, the RMS of the output error over every step of a measurement cycle (recorded "
                            "or not); cycle c covers steps cycle_steps[c] − cycle + 1 … cycle_steps[c], the last "
                            f"ending at step {self.steps}" + (f"; steps 1–{skip} fall in no cycle" if skip else ""),
-            "final_error": f"p99 over heads of each head's RMS output error over the last cycle, steps {first}–{last}",
-            "max_error": "the largest output error over heads and recorded steps",
-            "p99_error": "p99 over heads of each head's largest output error over the recorded steps (the "
+            "final_error": f"p99 over heads of each head's RMS output error over the last cycle, steps "
+                           f"{first}–{last}",
+            "peak_error": "per head, the largest output error over every step of the run (recorded or not)",
+            "max_error": "the largest output error over heads and every step of the run",
+            "p99_error": "p99 over heads of each head's largest output error over every step of the run (the "
                          "chooser's test against the tolerance)",
             "growth_exponent": "slope of log(per-cycle RMS error, RMS over heads) against log(middle step of the "
                                f"cycle) over the cycles whose middle is at step ≥ {self.steps / 2:g}",
@@ -440,7 +477,9 @@ class DriftResult:
             "summary": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
                         for row in self.summary()],
             "output_error": clean(self.output_error), "state_error": clean(self.state_error),
-            "stalled": clean(self.stalled), "cycle_error": clean(self.cycle_error), "failed_at": self.failed_at,
+            "stalled": clean(self.stalled), "cycle_error": clean(self.cycle_error),
+            "peak_error": [[None if not np.isfinite(v) else float(v) for v in row] for row in self.peak_error],
+            "failed_at": self.failed_at,
             "elapsed_s": self.elapsed_s, "element_steps": self.element_steps,
         }
 

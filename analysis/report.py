@@ -15,8 +15,9 @@ __all__ = ["theory_table", "write_report"]
 
 
 def theory_table(result: DriftResult) -> str:
-    """Markdown: per scheme and decay class, measured against predicted rms output error over the
-    second half of the run (heads of the class pooled); ``*`` marks classes where the theory's
+    """Markdown: per scheme and decay class, measured against predicted rms output error over every
+    step of the whole measurement cycles in the second half of the run (heads of the class pooled,
+    :func:`theory.measured_vs_predicted`); ``*`` marks classes where the theory's
     assumptions hold for every head (unbiased or stochastic rounding, read copies). Heads are
     predicted with the parameters of the dt the run took when it was given explicit inputs, else
     with the profile's sampling model."""
@@ -57,6 +58,11 @@ def _stagnation_lines(result: DriftResult) -> list[str]:
             heads = ", ".join(f"{result.heads[h]} (a = {result.decay[h]:.4f})" for h in np.nonzero(flags)[0])
             lines.append(f"- `{scheme}`: {int(flags.sum())} of {len(flags)} heads stagnate: {heads}")
     return lines or ["- no scheme stagnates on these heads"]
+
+
+def _second_half_span(result: DriftResult) -> str:
+    ends = result.cycle_steps[result.second_half_cycles()]
+    return f"{ends[0] - result.cycle + 1}–{ends[-1]}"
 
 
 def _measure_lines(result: DriftResult) -> list[str]:
@@ -110,9 +116,9 @@ def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command:
         "",
         "## Theory beside measurement",
         "",
-        "RMS relative output error over the recorded steps of the second half of the run, per class of head "
-        "decay, measured and predicted at the same steps (the records visit every position of a ring's cycle; "
-        "derivations in `analysis/README.md`). `*`: the theory's assumptions hold for every head of the "
+        f"RMS relative output error over every step of steps {_second_half_span(result)} (whole measurement "
+        "cycles), per class of head decay, measured and predicted over the same steps (derivations in "
+        "`analysis/README.md`). `*`: the theory's assumptions hold for every head of the "
         "class; elsewhere round-to-nearest sits in or near its dead band and the formula is only a guide.",
         "",
         theory_table(result),
