@@ -135,6 +135,9 @@ def test_final_figures_of_a_read_copy_cover_its_whole_cycle(nemotron):
     by_class_read, by_class_fp32 = final_by_class(nemotron, j_read), final_by_class(nemotron, j_fp32)
     present = np.isfinite(by_class_fp32)
     assert present.any() and np.all(by_class_read[present] > 100 * by_class_fp32[present])
+    # max_error and p99_error take each head's largest error over every step, records or not
+    assert np.all(nemotron.peak_error >= np.max(nemotron.output_error, axis=1) * (1 - 1e-12))
+    assert rows["fp32"]["max_error"] == pytest.approx(nemotron.peak_error[j_fp32].max(), rel=1e-12)
     first, last = nemotron.final_window()
     assert (first, last) == (81, 96) and "81–96" in nemotron.measures()["final_error"]
 
@@ -148,6 +151,19 @@ def test_per_cycle_curves_have_no_saw_tooth(nemotron):
     curve = nemotron.cycle_curve(2)[1:]
     assert nemotron.cycle_middles.tolist() == [8.5 + 16 * c for c in range(6)]
     assert np.all(np.isfinite(curve)) and np.max(np.abs(np.diff(np.log10(curve)))) < 1
+
+
+def test_report_and_json_say_what_each_figure_covers(nemotron, tmp_path):
+    from qstate.analysis.report import write_report
+
+    text = open(write_report(nemotron, tmp_path, plot=False)).read()
+    measures = nemotron.measures()
+    for name in ("cycle", "final_error", "max_error", "p99_error", "growth_exponent", "stagnated_fraction"):
+        assert f"- `{name}`: {measures[name]}." in text
+    assert "over the last cycle, steps 81–96" in text and "16 steps (whole cycles of every ring length" in text
+    assert "over every step of steps 49–96 (whole measurement cycles)" in text  # the theory table
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["measures"] == measures and len(data["peak_error"]) == 3
 
 
 def test_measurement_cycle_holds_whole_cycles_of_every_ring():
