@@ -432,8 +432,12 @@ class DriftResult:
         text and the ``measures`` entry of the JSON)."""
         first, last = self.final_window()
         rings = sorted({s.ring_len for s in self.schemes if s.is_replay})
-        cycle = (f"{self.cycle} steps (whole cycles of every ring length: the least common multiple of "
-                 f"{', '.join(map(str, rings))})" if rings else f"{self.cycle} steps (no replay scheme in the run)")
+        if len(rings) > 1:
+            cycle = (f"{self.cycle} steps (whole cycles of every ring length: the least common multiple of "
+                     f"{', '.join(map(str, rings))})")
+        else:
+            cycle = f"{self.cycle} steps (" + (f"one cycle of the ring of {rings[0]}" if rings else
+                                               "no replay scheme in the run") + ")"
         skip = self.steps - self.cycle * self.cycle_error.shape[1]
         return {
             "output_error": "relative output error ‖y − y_ref‖/‖y_ref‖ (norms over batch × headdim) of one step, "

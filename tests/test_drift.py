@@ -109,6 +109,7 @@ def test_cycle_figures_are_rms_over_the_recorded_steps_of_each_cycle(run):
     its steps, the last cycle ends at the last step, and final_error is the p99 over heads of that."""
     _, result, _, _ = run
     assert result.cycle == 35  # the least common multiple of the ring lengths 5 and 7
+    assert "is 35 steps (whole cycles of every ring length: the least common multiple of 5, 7)" in result.measures()["cycle"]
     assert result.recorded_steps.tolist() == list(range(1, T + 1)) and result.cycle_steps.tolist() == [T]
     for j, row in enumerate(result.summary()):
         last = result.output_error[j][T - 35:]
@@ -160,7 +161,7 @@ def test_report_and_json_say_what_each_figure_covers(nemotron, tmp_path):
     measures = nemotron.measures()
     for name in ("cycle", "final_error", "max_error", "p99_error", "growth_exponent", "stagnated_fraction"):
         assert f"- `{name}`: {measures[name]}." in text
-    assert "over the last cycle, steps 81–96" in text and "16 steps (whole cycles of every ring length" in text
+    assert "over the last cycle, steps 81–96" in text and "16 steps (one cycle of the ring of 16)" in text
     assert "over every step of steps 49–96 (whole measurement cycles)" in text  # the theory table
     data = json.loads((tmp_path / "drift.json").read_text())
     assert data["measures"] == measures and len(data["peak_error"]) == 3
