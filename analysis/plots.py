@@ -59,7 +59,7 @@ def plot_drift(result, path) -> None:
     ax_h.set_yscale("log")
     ax_h.set_xticks(np.arange(len(DECAY_CLASSES)) + 0.4 - width / 2)
     ax_h.set_xticklabels([label for _, _, label in DECAY_CLASSES])
-    ax_h.set_ylabel(f"relative output error, RMS over steps {first}–{last} and the class's heads")
+    ax_h.set_ylabel(f"relative output error (RMS over steps {first}–{last}, heads of the class)")
     ax_h.set_title("error over the last cycle by head decay class")
     ax_h.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
