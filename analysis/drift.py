@@ -97,8 +97,9 @@ def measurement_cycle(schemes, steps: int) -> int:
         return min(DEFAULT_CYCLE, steps)
     cycle = math.lcm(*rings)
     if cycle > steps:
-        raise ValueError(f"steps: expected at least {cycle} (one whole cycle of every ring length: the least "
-                         f"common multiple of {', '.join(map(str, rings))}), got {steps}")
+        whole = (f"one whole cycle of the ring of {cycle}" if len(rings) == 1 else
+                 f"one whole cycle of every ring length: the least common multiple of {', '.join(map(str, rings))}")
+        raise ValueError(f"steps: expected at least {cycle} ({whole}), got {steps}")
     return cycle
 
 
@@ -368,11 +369,6 @@ class DriftResult:
     def cycle_middles(self) -> np.ndarray:
         """The middle step of each measurement cycle (where curves plot it)."""
         return self.cycle_steps - (self.cycle - 1) / 2
-
-    def head_curve(self, j: int) -> np.ndarray:
-        """Output error of scheme ``j`` at each recorded step, rms over heads (single steps: a replay
-        scheme's value depends on where the step stands in its ring's cycle; see :meth:`cycle_curve`)."""
-        return np.sqrt(np.mean(self.output_error[j] ** 2, axis=1))
 
     def cycle_curve(self, j: int) -> np.ndarray:
         """Output error of scheme ``j`` per measurement cycle: RMS over the cycle's steps and the heads."""

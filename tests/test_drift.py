@@ -147,7 +147,7 @@ def test_per_cycle_curves_have_no_saw_tooth(nemotron):
     """Single steps of a read-copy scheme swing over decades within a ring cycle (no read copy at the
     flush); its per-cycle RMS moves by far less from one cycle to the next."""
     later = nemotron.recorded_steps > 16  # the first cycle reads a copy of the zero initial state: exact
-    single = nemotron.head_curve(2)[later]
+    single = np.sqrt(np.mean(nemotron.output_error[2] ** 2, axis=1))[later]  # RMS over heads, one step each
     assert single.max() > 1e3 * single.min()
     curve = nemotron.cycle_curve(2)[1:]
     assert nemotron.cycle_middles.tolist() == [8.5 + 16 * c for c in range(6)]
@@ -174,6 +174,16 @@ def test_measurement_cycle_holds_whole_cycles_of_every_ring():
     assert measurement_cycle(["fp32"], 5) == 5
     with pytest.raises(ValueError, match="steps: expected at least 35"):
         measurement_cycle(["replay/fp32/5", "replay/fp32/7"], 34)
+    with pytest.raises(ValueError, match=r"steps: expected at least 16 \(one whole cycle of the ring of 16\), got 8"):
+        measurement_cycle(["replay/fp32/16"], 8)
+
+
+def test_cli_refuses_a_run_shorter_than_a_cycle(tmp_path, capsys):
+    from qstate.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["drift", "--model", "nemotron-h-8b", "--steps", "8", "--heads", "2", "--out", str(tmp_path / "r")])
+    assert exit_info.value.code == 2 and "steps: expected at least 16" in capsys.readouterr().err
 
 
 def test_records_about_every_kth_step_staggered_and_the_last():
