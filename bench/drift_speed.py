@@ -41,7 +41,7 @@ def _commit() -> str:
 
 
 def measure(schemes, steps: int, heads: int, batch: int) -> dict:
-    simulate("nemotron-h-8b", schemes, 16, batch=batch, heads=heads, every=64)  # warm-up
+    simulate("nemotron-h-8b", schemes, 32, batch=batch, heads=heads, every=64)  # warm-up: one cycle of a ring of 32
     result = simulate("nemotron-h-8b", schemes, steps, batch=batch, heads=heads, every=64)
     rate = result.element_steps_per_second()
     return {"schemes": [str(s) for s in result.schemes], "steps": steps, "heads": heads, "batch": batch,
