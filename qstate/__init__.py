@@ -22,6 +22,7 @@ from .ops import selective_state_update  # noqa: E402
 from .cache import ReplayCache  # noqa: E402
 from .ops.replay import replay_decode  # noqa: E402
 from .ops.speculative import replay_check_commits, replay_commit, replay_verify  # noqa: E402
+from .ops.gated_delta import gated_delta_update  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "StateFormat",
     "dequantize",
     "formats",
+    "gated_delta_update",
     "profiles",
     "quantize",
     "reference",
