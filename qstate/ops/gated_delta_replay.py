@@ -130,7 +130,7 @@ def gated_delta_replay(
     """
     signature = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
                  *map(_signature.tensor_meta, (q, k, v, g, beta, slot_indices, out)),
-                 *(None if not isinstance(cache, GatedDeltaReplayCache) else
+                 *(() if not isinstance(cache, GatedDeltaReplayCache) else
                    tuple(map(_signature.tensor_meta, cache.tensors().values()))))
     _ACCEPTED.check_once(signature, _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     if slot_indices is not None:
