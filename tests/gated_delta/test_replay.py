@@ -217,3 +217,23 @@ def test_a_cache_of_another_family_is_refused():
     mamba = qstate.ReplayCache.allocate(2, 2, 16, 32, read=None)
     with pytest.raises(TypeError, match="^cache:"):
         qstate.gated_delta_replay(mamba, **token(2, 1, 2, 32, 16))
+
+
+def test_torch_compile_through_the_custom_ops():
+    """Both ops trace whole (fullgraph) through their custom ops and equal the eager calls."""
+    inp = token(2, 1, 2, 32, 16)
+    eager, traced = (allocate(2, channel=False, ring_len=2, read="int8:row") for _ in range(2))
+    state = torch.randn(2, 2, 16, 32)
+    eager_state = state.clone()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(state, q, k, v, g, beta):
+        return qstate.gated_delta_replay(traced, q, k, v, g, beta), qstate.gated_delta_update(state, q, k, v, g, beta)
+
+    for _ in range(2):
+        expected = qstate.gated_delta_replay(eager, **inp), qstate.gated_delta_update(eager_state, **inp)
+        got = step(state, **inp)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert torch.equal(state, eager_state)
+        for name in ("checkpoint", "read", "read_scale", "ring_k", "cursor"):
+            assert torch.equal(getattr(traced, name), getattr(eager, name)), name
