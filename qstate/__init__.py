@@ -22,6 +22,9 @@ from .ops import selective_state_update  # noqa: E402
 from .cache import ReplayCache  # noqa: E402
 from .ops.replay import replay_decode  # noqa: E402
 from .ops.speculative import replay_check_commits, replay_commit, replay_verify  # noqa: E402
+from .ops.gated_delta import gated_delta_update  # noqa: E402
+from .gated_delta_cache import GatedDeltaReplayCache  # noqa: E402
+from .ops.gated_delta_replay import gated_delta_replay  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -29,8 +32,11 @@ __all__ = [
     "QuantizedState",
     "ReplayCache",
     "StateFormat",
+    "GatedDeltaReplayCache",
     "dequantize",
     "formats",
+    "gated_delta_replay",
+    "gated_delta_update",
     "profiles",
     "quantize",
     "reference",

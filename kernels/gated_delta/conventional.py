@@ -1,0 +1,92 @@
+"""Conventional gated delta rule decode step over any state format: what a program of the kernel
+(:mod:`.conventional_kernel`) does, and its launcher.
+
+One program owns a ``[BLOCK_V, BLOCK_K]`` tile of one (row of the batch, value head): ``BLOCK_V``
+rows of V by the whole (padded) K, so each V-row's dot with the key, and its row or block32
+scales, stay inside the program; ``head`` scales need the whole head, so that granularity takes
+``BLOCK_V ≥ V``. Grid ``(cdiv(V, BLOCK_V), HV, batch)``; each program reads and writes its tile
+once.
+
+Per tile: normalize q and k of the head's key head (``h // (HV / HK)``) in fp32, ``α = exp(g)``
+(one per head or per key channel), load codes and scales, dequantize (``code · scale``), then in
+fp32 and the references' order ``S ← S·diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``; output
+``S q̂`` from the unrounded state, re-quantize with the codec (``tile.store_tile``) and store in
+place. A row whose slot index is negative or ``pad_slot_id`` outputs zeros and touches no slot; an
+index ``≥ nslots`` (rejected on the host for CPU tensors) outputs NaN and touches no slot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..common import codec, sizes
+from ..common.launch import CompiledLaunch
+from .conventional_kernel import _conventional_kernel
+
+# Rows of V per tile at K = 128, and warps, by state bytes per element (a tile of 8 KiB of fp32).
+_TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (32, 4)}
+# Programs below which a launch splits V finer (a small batch still fills the GPU).
+_MIN_PROGRAMS = 1024
+_MIN_BLOCK_V = 4
+
+_launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
+
+
+def tile_config(element_bytes: int, K: int, V: int, granularity: int, programs_per_tile: int, on_gpu: bool):
+    """``(BLOCK_V, BLOCK_K, num_warps)``; ``programs_per_tile``: batch · HV."""
+    block_k = max(32, sizes.next_power_of_2(K))
+    rows, warps = _TILE_ROWS[element_bytes]
+    whole = sizes.next_power_of_2(V)
+    if granularity == codec.GRAN_HEAD or not on_gpu:
+        # Head scales need the whole head; the interpreter pays per program, not per byte.
+        return whole, block_k, (8 if whole * block_k >= 8192 else 4)
+    block_v = min(max(1, rows * 128 // block_k), whole)
+    while block_v > _MIN_BLOCK_V and programs_per_tile * sizes.cdiv(V, block_v) < _MIN_PROGRAMS:
+        block_v //= 2
+    return block_v, block_k, warps
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(element_bytes, K, V, num_v_heads, batch, device, dtype_code, granularity, stochastic, qmax, emax, channel,
+          l2norm, has_slots, seed_from_ptr, out_bf16):
+    """``(grid, constexprs)`` of a launch, a function of the call's metadata."""
+    block_v, block_k, warps = tile_config(element_bytes, K, V, granularity, batch * num_v_heads,
+                                          device.type == "cuda")
+    constexprs = dict(DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
+                      HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
+                      SEED_FROM_PTR=seed_from_ptr, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k,
+                      num_warps=warps)
+    return (sizes.cdiv(V, block_v), num_v_heads, batch), constexprs
+
+
+def launch(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor, *, qk_scale: float,
+           dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int, use_qk_l2norm: bool,
+           pad_slot_id: int) -> None:
+    """Launch the kernel on validated arguments.
+
+    ``state``: the storage view (:func:`codec.storage_view`) ``(nslots, HV, V, K)``, unit K
+    stride; ``state_scale`` fp32 shaped for the granularity (any tensor when unscaled);
+    ``q, k (batch, HK, K)``, ``v, out (batch, HV, V)`` with unit inner stride; ``g (batch, HV)``
+    or ``(batch, HV, K)`` (unit inner stride); ``beta (batch, HV)``; ``slot_indices (batch,)``
+    int or None; ``seed_tensor``: a one-element device tensor read instead of ``seed``, or None.
+    """
+    batch, num_v_heads, V = v.shape
+    nslots, _, _, K = state.shape
+    channel = g.dim() == 3
+    out_bf16 = out.dtype == torch.bfloat16
+    grid, constexprs = _plan(state.element_size(), K, V, num_v_heads, batch, state.device, dtype_code, granularity,
+                             stochastic, qmax, emax, channel, use_qk_l2norm, slot_indices is not None,
+                             seed_tensor is not None, out_bf16)
+    if granularity == codec.GRAN_HEAD:
+        scale_strides = (*state_scale.stride()[:2], 0)
+    elif granularity != codec.GRAN_NONE:
+        scale_strides = state_scale.stride()[:3]
+    else:
+        scale_strides = (0, 0, 0)
+    args = (state, state if state_scale is None else state_scale, q, k, v, g, beta, slot_indices, out.view(torch.int16) if out_bf16 else out,
+            seed_tensor, seed, float(qk_scale), nslots, num_v_heads, K, V, num_v_heads // k.shape[1], pad_slot_id,
+            *state.stride()[:3], *scale_strides, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
+    _launch(grid, args, constexprs, state.is_cuda)

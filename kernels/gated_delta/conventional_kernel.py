@@ -1,0 +1,59 @@
+"""The conventional gated delta rule decode kernel; launched by :mod:`.conventional`, whose
+docstring says what a program does."""
+
+import triton
+import triton.language as tl
+
+from . import tile
+
+
+# seed: not specialized on its value, so that a fresh seed per call reuses the compiled kernel.
+@triton.jit(do_not_specialize=["seed"])
+def _conventional_kernel(
+    state_ptr, scale_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr, seed_ptr, seed,
+    qk_scale, nslots, num_v_heads, K, V, heads_per_group, pad_slot_id,
+    s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row,
+    s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
+    s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+    DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
+    EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, BLOCK_K)
+    row_mask = rows < V
+    out_row = out_ptr + b * s_out_batch + h * s_out_head
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    if (slot < 0) | (slot == pad_slot_id) | (slot >= nslots):
+        # Padding outputs zeros; an index past the state (unchecked on a GPU, to avoid a sync)
+        # outputs NaN. Neither touches any slot.
+        bad = tl.where((slot < 0) | (slot == pad_slot_id), 0.0, float("nan"))
+        tile.store_output(out_row, tl.zeros([BLOCK_V], tl.float32) + bad, rows, row_mask, OUT_BF16, HW)
+    else:
+        hk = h // heads_per_group
+        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
+        k = tile.load_key(k_ptr + b * s_k_batch + hk * s_k_head, cols, K, L2NORM)
+        alpha = tile.decay(g_ptr + b * s_g_batch + h * s_g_head, cols, K, CHANNEL)
+        beta = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
+        v = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0).to(tl.float32)
+        head = slot * s_state_slot + h * s_state_head
+        scale_head = slot * s_scale_slot + h * s_scale_head
+        S = tile.load_tile(state_ptr + head, scale_ptr + scale_head, rows, cols, row_mask, K, s_state_row,
+                           s_scale_row, DTYPE, GRAN, HW, BLOCK_V, BLOCK_K)  # [BLOCK_V, BLOCK_K]
+        # The references' order: S·diag(α), then d = β(v − S k̂), then S + d k̂ᵀ.
+        S = tile.apply_decay(S, alpha, CHANNEL)
+        d = beta * (v - tl.sum(S * k[None, :], axis=1))  # [BLOCK_V]
+        S = S + d[:, None] * k[None, :]
+        tile.store_output(out_row, tl.sum(S * q[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+        if STOCHASTIC and SEED_FROM_PTR:
+            seed = tl.load(seed_ptr)
+        noise_rows = (slot * num_v_heads + h) * V + rows
+        tile.store_tile(S, row_mask, state_ptr + head, scale_ptr + scale_head, rows, cols, s_state_row, s_scale_row,
+                        noise_rows, seed, K, DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, BLOCK_V, BLOCK_K)

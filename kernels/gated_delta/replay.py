@@ -1,0 +1,96 @@
+"""Replay decode of the gated delta rule (``docs/design.md#gdn-replay``): what the kernels of
+:mod:`.replay_kernels` do, and their launcher.
+
+A cache (``qstate.GatedDeltaReplayCache``) holds per slot an fp32/bf16/fp16 checkpoint ``S_c``,
+an optional read copy ``R_c = Q_read(S_c)`` (bf16 or 8-bit with row scales over K), a ring of
+the last ``ring_len`` tokens' inputs (raw ``k`` per key head, ``v``, ``g`` and ``β`` per value
+head: never the corrected value) and a cursor (tokens in the ring).
+
+Step kernel, grid ``(cdiv(V, BLOCK_V), HV, batch)``; each program owns ``BLOCK_V`` rows of V of
+one head of one row, K whole. It reads the slot's cursor ``n`` (clamped into ``[0, L)``, so no
+cursor value addresses outside the slot's ring), appends the token at ``n`` (v by every V-tile;
+g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
+
+* ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
+  and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
+  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The state is read once, in
+  the read copy's format, and nothing but the ring entry is written.
+* ``n = L − 1`` (the row whose ring fills): the flush. It folds the ring and the current token
+  into the checkpoint's tile in fp32, token by token (``S ← S diag(α)``, ``d = β (v − S k̂)``,
+  ``S ← S + d k̂ᵀ``), outputs ``S q̂`` from the unrounded result, stores it in the checkpoint's
+  format and rebuilds the read copy from the stored checkpoint.
+
+The flush decision is each program's own (from the cursor on the device): no host sync, so a
+step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
+the step kernel, each live row's cursor moves to ``n + 1``, or 0 after a flush. A row whose slot
+is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
+for CPU tensors) outputs NaN and touches nothing. The keys are stored raw and normalized where
+they are read, so the ring keeps exactly what the caller gave (in the cache's input dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..common import codec, sizes
+from ..common.launch import CompiledLaunch
+from .replay_kernels import _advance_cursors_kernel, _replay_step_kernel
+
+# Rows of V per step program at K = 128, and warps (the normal row reads an 8 KiB fp32 tile or less).
+_TILE_ROWS = 16
+_WARPS = 4
+# Programs below which a launch splits V finer (a small batch still fills the GPU).
+_MIN_PROGRAMS = 1024
+_MIN_BLOCK_V = 4
+# Batch rows per program of the cursor kernel.
+BLOCK_R = 256
+
+_step = CompiledLaunch(_replay_step_kernel)
+_advance = CompiledLaunch(_advance_cursors_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read, rd_code, rd_gran, rd_qmax, rd_emax,
+          channel, l2norm, has_slots, out_bf16):
+    """``(step grid, step constexprs, cursor grid, cursor constexprs)`` of a call's metadata."""
+    block_k = max(32, sizes.next_power_of_2(K))
+    whole = sizes.next_power_of_2(V)
+    if device.type == "cuda":
+        block_v = min(max(1, _TILE_ROWS * 128 // block_k), whole)
+        while block_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, block_v) < _MIN_PROGRAMS:
+            block_v //= 2
+    else:
+        block_v = whole  # the interpreter pays per program, not per byte
+    step = dict(L=ring_len, CK_DTYPE=ck_code, HAS_READ=has_read, RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax,
+                RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm,
+                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=_WARPS)
+    advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
+    return (sizes.cdiv(V, block_v), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance
+
+
+def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:
+    """Launch the step and cursor kernels on validated arguments: ``cache`` a
+    ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
+    HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
+    int or None."""
+    batch, num_v_heads, V = v.shape
+    K = k.shape[2]
+    ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
+    has_read = rd_fmt is not None
+    out_bf16 = out.dtype == torch.bfloat16
+    grid, step, advance_grid, advance = _plan(
+        K, V, num_v_heads, batch, cache.device, cache.ring_len, codec.dtype_code(ck_fmt), codec.qmax(ck_fmt),
+        has_read, codec.dtype_code(rd_fmt) if has_read else 0, codec.granularity_code(rd_fmt) if has_read else 0,
+        codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
+        slot_indices is not None, out_bf16)
+    checkpoint = codec.storage_view(cache.checkpoint, ck_fmt)
+    read = codec.storage_view(cache.read, rd_fmt) if has_read else checkpoint
+    read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
+    args = (q, k, v, g, beta, slot_indices, out.view(torch.int16) if out_bf16 else out, checkpoint, read, read_scale,
+            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, float(qk_scale), cache.num_slots,
+            k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
+            *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
+    _step(grid, args, step, cache.device.type == "cuda")
+    _advance(advance_grid, (cache.cursor, slot_indices, batch, cache.num_slots), advance, cache.device.type == "cuda")

@@ -1,0 +1,138 @@
+"""Jit pieces shared by the gated delta rule kernels: a program's normalized query and key, its
+gate, one head's ``[BLOCK_V, BLOCK_K]`` state tile loaded and stored through the codec, and a
+row of outputs in the output's dtype.
+
+A state is ``(slots, HV, V, K)`` with K contiguous: a tile is ``BLOCK_V`` rows of V by the whole
+(padded) K, so row and block32 scales (over K) live inside one program; ``head`` scales need
+``BLOCK_V >= V``."""
+
+import triton
+import triton.language as tl
+
+from ..common import codec
+from ..common.constants import BF16, FP32, GRAN_BLOCK32, GRAN_HEAD, GRAN_NONE, GRAN_ROW, INT8
+
+# transformers' and fla's l2-norm epsilon (qstate.reference.gated_delta.L2_EPS).
+L2_EPS: tl.constexpr = tl.constexpr(1e-6)
+# Rounds of the Philox stream of +sr stores (the Mamba-2 kernels' 16-bit noise stream).
+SR_ROUNDS: tl.constexpr = tl.constexpr(7)
+
+
+@triton.jit
+def l2_normalized(x, L2NORM: tl.constexpr):
+    """``x / sqrt(Σx² + eps)`` in fp32 with a correctly rounded root and quotient, as the
+    reference computes it (``x`` fp32, padded with zeros)."""
+    if L2NORM:
+        norm = tl.sqrt_rn(tl.sum(x * x, axis=0) + L2_EPS)
+        x = tl.div_rn(x, tl.zeros_like(x) + norm)
+    return x
+
+
+@triton.jit
+def load_key(ptr, cols, K, L2NORM: tl.constexpr):
+    """One key-head vector ``[BLOCK_K]`` in fp32, normalized when ``L2NORM``; zero past K."""
+    return l2_normalized(tl.load(ptr + cols, mask=cols < K, other=0.0).to(tl.float32), L2NORM)
+
+
+@triton.jit
+def decay(g_ptr, cols, K, CHANNEL: tl.constexpr):
+    """``α = exp(g)``: ``[BLOCK_K]`` per channel (KDA) or a scalar (GDN); 1 past K."""
+    if CHANNEL:
+        alpha = tl.exp(tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32))
+    else:
+        alpha = tl.exp(tl.load(g_ptr).to(tl.float32))
+    return alpha
+
+
+@triton.jit
+def apply_decay(S, alpha, CHANNEL: tl.constexpr):
+    if CHANNEL:
+        S = S * alpha[None, :]
+    else:
+        S = S * alpha
+    return S
+
+
+@triton.jit
+def load_tile(codes_ptr, scale_ptr, rows, cols, row_mask, K, s_row, s_scale_row,
+              DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr, BLOCK_V: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """fp32 ``code · scale`` of one head's tile, zero outside ``row_mask`` and K (``codes_ptr``,
+    ``scale_ptr``: the head's first element and scale; block32 scales are contiguous over K)."""
+    mask = row_mask[:, None] & (cols[None, :] < K)
+    codes = tl.load(codes_ptr + rows[:, None] * s_row + cols[None, :], mask=mask, other=0)
+    values = codec.decode(codes, DTYPE, HW)
+    if GRAN == GRAN_ROW:
+        values = values * tl.load(scale_ptr + rows * s_scale_row, mask=row_mask, other=1.0)[:, None]
+    elif GRAN == GRAN_HEAD:
+        values = values * tl.load(scale_ptr)
+    elif GRAN == GRAN_BLOCK32:
+        NB: tl.constexpr = BLOCK_K // 32
+        blocks = tl.arange(0, NB)
+        scale = tl.load(scale_ptr + rows[:, None] * s_scale_row + blocks[None, :],
+                        mask=row_mask[:, None] & (blocks[None, :] < K // 32), other=1.0)
+        values = tl.reshape(tl.reshape(values, [BLOCK_V, NB, 32]) * scale[:, :, None], [BLOCK_V, BLOCK_K])
+    return values
+
+
+@triton.jit
+def _grid_values(v, DTYPE: tl.constexpr):
+    """The values of the codes ``codec.encode(v, 0, ...)`` gives, in fp32 (v saturated and scaled)."""
+    g = codec.round_rne(v, DTYPE)
+    if DTYPE == INT8:
+        g = tl.where(g == 0.0, 0.0, g)  # int8 has no −0: a code 0 decodes to +0
+    return g
+
+
+@triton.jit
+def store_tile(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, s_scale_row, noise_rows, seed, K,
+               DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
+               EMAX: tl.constexpr, HW: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize one head's fp32 tile in the references' order (``formats.quantize``), store codes
+    and fresh scales, and return the stored values (``code · scale``, computed in fp32; the
+    stochastic formats return nothing of use). ``noise_rows``: each row's index in the whole
+    state (``(slot·HV + head)·V + row``), the counter of the +sr noise with the column's octet."""
+    mask = row_mask[:, None] & (cols[None, :] < K)
+    if STOCHASTIC:
+        u = codec.uniform16(codec.row_noise8(seed, noise_rows, K, BLOCK_K, SR_ROUNDS))
+    else:
+        u = 0.0
+    if DTYPE == FP32:
+        codes = values
+        stored = values
+    elif GRAN == GRAN_NONE:
+        saturated = codec.saturate(values, QMAX)
+        codes = codec.encode(saturated, u, DTYPE, STOCHASTIC, HW)
+        stored = _grid_values(saturated, DTYPE)
+    else:
+        magnitude = tl.where(mask, tl.abs(values), 0.0)
+        if GRAN == GRAN_ROW:
+            scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_V]
+            tl.store(scale_ptr + rows * s_scale_row, scale, mask=row_mask)
+            scale_tile = tl.broadcast_to(scale[:, None], [BLOCK_V, BLOCK_K])
+        elif GRAN == GRAN_HEAD:
+            scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
+            tl.store(scale_ptr + rows * 0, tl.zeros([BLOCK_V], tl.float32) + scale, mask=row_mask & (rows == 0))
+            scale_tile = tl.zeros([BLOCK_V, BLOCK_K], tl.float32) + scale
+        else:
+            NB: tl.constexpr = BLOCK_K // 32
+            scale = codec.scale_from_amax(tl.max(tl.reshape(magnitude, [BLOCK_V, NB, 32]), axis=2), QMAX, EMAX, GRAN)
+            blocks = tl.arange(0, NB)
+            tl.store(scale_ptr + rows[:, None] * s_scale_row + blocks[None, :], scale,
+                     mask=row_mask[:, None] & (blocks[None, :] < K // 32))
+            scale_tile = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_V, NB, 32]), [BLOCK_V, BLOCK_K])
+        scaled = codec.divide_rn(values, scale_tile, codec.reciprocal_rn(scale_tile), HW)
+        codes = codec.encode_saturating(scaled, u, QMAX, DTYPE, STOCHASTIC, HW)
+        stored = _grid_values(codec.saturate(scaled, QMAX), DTYPE) * scale_tile
+    tl.store(codes_ptr + rows[:, None] * s_row + cols[None, :], codes, mask=mask)
+    return stored
+
+
+@triton.jit
+def store_output(out_ptr, o, rows, mask, OUT_BF16: tl.constexpr, HW: tl.constexpr):
+    """A row of outputs; bf16 goes through the codec as bits (``out_ptr`` an int16 view): the
+    interpreter's own fp32 → bf16 cast does not round to nearest."""
+    if OUT_BF16:
+        tl.store(out_ptr + rows, codec.encode(o, 0.0, BF16, False, HW), mask=mask)
+    else:
+        tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,336 @@
+"""``GatedDeltaReplayCache``: the device tensors of replay decoding for one gated delta rule
+layer (GDN or KDA; ``docs/design.md#gdn-replay``).
+
+Per slot (one sequence) it holds:
+
+==================  =================================================  ==========================
+tensor              shape                                              dtype
+==================  =================================================  ==========================
+``checkpoint``      ``(slots, HV, V, K)``                              fp32, bf16 or fp16
+``read``            ``(slots, HV, V, K)`` or None                      read storage dtype
+``read_scale``      ``(slots, HV, V)`` (row formats) or None            fp32
+``ring_k``          ``(slots, HK, ring_len, K)``                       ``input_dtype``: raw keys
+``ring_v``          ``(slots, HV, ring_len, V)``                       ``input_dtype``
+``ring_g``          ``(slots, HV, ring_len)`` or ``(…, ring_len, K)``  fp32: log-space gates
+``ring_beta``       ``(slots, HV, ring_len)``                          fp32
+``cursor``          ``(slots,)``                                       int32: tokens in the ring
+==================  =================================================  ==========================
+
+The ring holds the layer's own inputs, never the corrected value (``docs/design.md#gdn-ring-designs``):
+keys per key head as the caller gave them (normalized where read), values, gates and β per value
+head; each head's ring is one contiguous block, read by a program in one sweep. ``ring_g`` has
+one gate per head (``gate="scalar"``, GDN) or one per key channel (``gate="channel"``, KDA).
+
+A serving engine that owns its memory builds a cache over its own tensors with
+:meth:`GatedDeltaReplayCache.from_tensors`, then admits each sequence with :meth:`reset`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _validate
+from .formats import FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
+from .reference.gated_delta import l2norm
+
+__all__ = ["GatedDeltaReplayCache", "CHECKPOINT_FORMATS", "READ_FORMATS", "GATES"]
+
+SlotsLike = Union[torch.Tensor, Sequence[int], int]
+CHECKPOINT_FORMATS = ("fp32", "bf16", "fp16")
+READ_FORMATS = ("bf16", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row")
+GATES = ("scalar", "channel")
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _formats(checkpoint, read, names=("checkpoint", "read")):
+    ck = as_format(checkpoint, names[0])
+    if str(ck) not in CHECKPOINT_FORMATS:
+        raise ValueError(f"{names[0]}: expected one of {list(CHECKPOINT_FORMATS)}, got '{ck}'")
+    if read is None:
+        return ck, None
+    rd = as_format(read, names[1])
+    if str(rd) not in READ_FORMATS:
+        raise ValueError(f"{names[1]}: expected None or one of {list(READ_FORMATS)}, got '{rd}'")
+    return ck, rd
+
+
+def _input_dtype(dtype, name: str) -> None:
+    if dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name}: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+
+
+@dataclasses.dataclass(eq=False)
+class GatedDeltaReplayCache:
+    """Replay state of one gated delta rule layer: checkpoint, read copy, input ring, cursors.
+
+    Build with :meth:`allocate` or :meth:`from_tensors`; do not construct directly.
+    """
+
+    checkpoint_format: StateFormat
+    read_format: Optional[StateFormat]
+    checkpoint: torch.Tensor
+    read: Optional[torch.Tensor]
+    read_scale: Optional[torch.Tensor]
+    ring_k: torch.Tensor
+    ring_v: torch.Tensor
+    ring_g: torch.Tensor
+    ring_beta: torch.Tensor
+    cursor: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, num_slots: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, *,
+        gate: str = "scalar", ring_len: int = 16, checkpoint: FormatLike = "fp32",
+        read: Optional[FormatLike] = "fp8_e4m3:row", input_dtype: torch.dtype = torch.bfloat16, device=None,
+    ) -> "GatedDeltaReplayCache":
+        """A zeroed cache of ``num_slots`` slots (cursors at 0, states zero).
+
+        ``gate``: ``"scalar"`` (GDN, ``g (batch, HV)``) or ``"channel"`` (KDA, ``g (batch, HV,
+        K)``). ``checkpoint``: fp32, bf16 or fp16; ``read``: None (outputs read the checkpoint),
+        bf16, ``fp8_e4m3:row``, ``fp8_e5m2:row`` or ``int8:row``. ``input_dtype``: the dtype of
+        the ring's k and v, which must be that of the decode inputs (fp32, bf16 or fp16).
+        """
+        for name, value in (("num_slots", num_slots), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
+                            ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("ring_len", ring_len)):
+            _validate.positive_int(name, value)
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads: expected a multiple of num_k_heads = {num_k_heads}, got {num_v_heads}")
+        if gate not in GATES:
+            raise ValueError(f"gate: expected one of {list(GATES)}, got {gate!r}")
+        ck_fmt, rd_fmt = _formats(checkpoint, read)
+        _input_dtype(input_dtype, "input_dtype")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        shape = (num_slots, num_v_heads, head_v_dim, head_k_dim)
+
+        def zeros(shp, dtype):
+            return torch.zeros(shp, dtype=dtype, device=device)
+
+        gate_shape = (num_slots, num_v_heads, ring_len) + ((head_k_dim,) if gate == "channel" else ())
+        cache = cls(
+            checkpoint_format=ck_fmt, read_format=rd_fmt, checkpoint=zeros(shape, ck_fmt.storage_dtype),
+            read=None if rd_fmt is None else zeros(shape, rd_fmt.storage_dtype),
+            read_scale=None if rd_fmt is None or not rd_fmt.scaled else zeros(rd_fmt.scale_shape(shape), torch.float32),
+            ring_k=zeros((num_slots, num_k_heads, ring_len, head_k_dim), input_dtype),
+            ring_v=zeros((num_slots, num_v_heads, ring_len, head_v_dim), input_dtype),
+            ring_g=zeros(gate_shape, torch.float32), ring_beta=zeros((num_slots, num_v_heads, ring_len), torch.float32),
+            cursor=zeros((num_slots,), torch.int32),
+        )
+        if device.type != "meta":
+            cache.reset(range(num_slots))
+        return cache
+
+    @classmethod
+    def from_tensors(
+        cls, *, checkpoint: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
+        ring_beta: torch.Tensor, cursor: torch.Tensor, checkpoint_format: FormatLike = "fp32",
+        read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
+        read_scale: Optional[torch.Tensor] = None,
+    ) -> "GatedDeltaReplayCache":
+        """A cache over tensors the caller owns (shapes and dtypes in the module docstring);
+        nothing is copied or cleared: :meth:`reset` every slot before the first step. The ring's
+        length is ``ring_k.shape[2]``. The cursors are read once here (one host sync) and must
+        lie in ``[0, ring_len)`` (the kernels clamp them into the ring in any case)."""
+        ck_fmt, rd_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
+        cache = cls(checkpoint_format=ck_fmt, read_format=rd_fmt, checkpoint=checkpoint, read=read,
+                    read_scale=read_scale, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
+                    cursor=cursor)
+        cache.validate()
+        n = cursor.long().cpu()
+        bad = (n < 0) | (n >= cache.ring_len)
+        if bool(bad.any()):
+            raise ValueError(f"cursor: expected values in [0, {cache.ring_len}) (ring_len), got {n[bad].tolist()} at "
+                             f"slots {bad.nonzero().flatten().tolist()}")
+        return cache
+
+    def validate(self) -> None:
+        """Check shapes, dtypes, devices and contiguity of every tensor; raise naming the field."""
+        _validate.tensor("checkpoint", self.checkpoint, ndim=4, floating=False)
+        _validate.tensor("ring_k", self.ring_k, ndim=4)
+        _validate.tensor("ring_g", self.ring_g)
+        slots, HV, V, K = self.checkpoint.shape
+        HK, L = self.ring_k.shape[1], self.ring_k.shape[2]
+        if min(V, K, HV, L) < 1:
+            raise ValueError(f"checkpoint: expected HV, V, K >= 1 and a ring of >= 1 token, got checkpoint "
+                             f"{tuple(self.checkpoint.shape)}, ring_k {tuple(self.ring_k.shape)}")
+        if HK < 1 or HV % HK:
+            raise ValueError(f"ring_k: expected HK dividing HV = {HV} in dim 1, got shape {tuple(self.ring_k.shape)}")
+        if self.ring_g.dim() not in (3, 4):
+            raise ValueError(f"ring_g: expected (slots, HV, ring_len) or (slots, HV, ring_len, K), got shape "
+                             f"{tuple(self.ring_g.shape)}")
+        _input_dtype(self.ring_k.dtype, "ring_k")
+        shape = (slots, HV, V, K)
+        gate = (slots, HV, L) + ((K,) if self.ring_g.dim() == 4 else ())
+        expected = {
+            "checkpoint": (self.checkpoint, shape, self.checkpoint_format.storage_dtype),
+            "ring_k": (self.ring_k, (slots, HK, L, K), self.ring_k.dtype),
+            "ring_v": (self.ring_v, (slots, HV, L, V), self.ring_k.dtype),
+            "ring_g": (self.ring_g, gate, torch.float32),
+            "ring_beta": (self.ring_beta, (slots, HV, L), torch.float32),
+            "cursor": (self.cursor, (slots,), torch.int32),
+        }
+        rd = self.read_format
+        for name, t, want in (("read", self.read, None if rd is None else (shape, rd.storage_dtype)),
+                              ("read_scale", self.read_scale,
+                               None if rd is None or not rd.scaled else (rd.scale_shape(shape), torch.float32))):
+            if want is None:
+                if t is not None:
+                    raise ValueError(f"{name}: expected None for read format {rd}, got a tensor")
+            elif t is None:
+                raise ValueError(f"{name}: expected a tensor of shape {tuple(want[0])} for read format {rd}, got None")
+            else:
+                expected[name] = (t, want[0], want[1])
+        device = self.checkpoint.device
+        for name, (t, shp, dtype) in expected.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(shp):
+                raise ValueError(f"{name}: expected shape {tuple(shp)}, got {tuple(t.shape)}")
+            if t.dtype != dtype:
+                raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name}: expected device {device} (the checkpoint's), got {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+    # ---------------------------------------------------------------- sizes
+
+    @property
+    def ring_len(self) -> int:
+        return self.ring_k.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.checkpoint.shape[0]
+
+    @property
+    def num_k_heads(self) -> int:
+        return self.ring_k.shape[1]
+
+    @property
+    def num_v_heads(self) -> int:
+        return self.checkpoint.shape[1]
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.checkpoint.shape[2]
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.checkpoint.shape[3]
+
+    @property
+    def gate(self) -> str:
+        return "channel" if self.ring_g.dim() == 4 else "scalar"
+
+    @property
+    def device(self) -> torch.device:
+        return self.checkpoint.device
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.ring_k.dtype
+
+    def tensors(self) -> dict:
+        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor")
+        return {n: getattr(self, n) for n in names}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of the cache."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+
+    def bytes_per_step(self) -> float:
+        """Bytes of cache traffic per slot and decode step, averaged over one flush cycle: the
+        state read of the ``ring_len − 1`` normal steps (read copy with scales, or checkpoint),
+        the flush (read and write the checkpoint, write the read copy), each token's append and
+        the ring reads (``n`` tokens at a normal step ``n``, ``L − 1`` at the flush). Decode
+        inputs and outputs are not included."""
+        L = self.ring_len
+        ck = self.checkpoint[0].numel() * self.checkpoint.element_size()
+        rd = ck if self.read is None else self.read[0].numel() * self.read.element_size() + (
+            0 if self.read_scale is None else self.read_scale[0].numel() * 4)
+        per_token = sum(t[0, :, 0].numel() * t.element_size() for t in (self.ring_k, self.ring_v, self.ring_g,
+                                                                       self.ring_beta))
+        flush = 2 * ck + (0 if self.read is None else rd)
+        ring_reads = (L - 1) * (L - 2) // 2 + (L - 1)
+        return ((L - 1) * rd + flush + (ring_reads + L) * per_token) / L
+
+    # ---------------------------------------------------------------- admission and read-out
+
+    def _slots(self, slots: SlotsLike, name: str = "slots") -> torch.Tensor:
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            slots = [slots]
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
+                raise TypeError(f"{name}: expected a 1-D integer tensor, got {slots.dtype} shape {tuple(slots.shape)}")
+            idx = slots.to(device=self.device, dtype=torch.long)
+        else:
+            values = list(slots)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise TypeError(f"{name}: expected a flat sequence of ints, got {slots!r}")
+            idx = torch.tensor(values, dtype=torch.long, device=self.device)
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.num_slots:
+                raise ValueError(f"{name}: expected slot indices in [0, {self.num_slots}), got min {lo}, max {hi}")
+            if torch.unique(idx).numel() != idx.numel():
+                raise ValueError(f"{name}: expected distinct slot indices, got repeats in {idx.tolist()}")
+        return idx
+
+    def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None) -> None:
+        """Admit sequences: checkpoint ← ``quantize(state)`` (or zeros), read copy ←
+        ``quantize(dequantize(checkpoint))``, ring emptied (cursor 0), as the reference does.
+        ``state (len(slots), HV, V, K)``, floating point (the prefill's final state, V-first)."""
+        idx = self._slots(slots)
+        shape = (idx.numel(), self.num_v_heads, self.head_v_dim, self.head_k_dim)
+        if state is None:
+            values = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        else:
+            _validate.tensor("state", state, ndim=4)
+            _validate.shape("state", state, shape, "(len(slots), HV, V, K)")
+            values = state.to(device=self.device, dtype=torch.float32)
+        if idx.numel() == 0:
+            return
+        ck = quantize(values, self.checkpoint_format)
+        self.checkpoint[idx] = ck.data
+        if self.read is not None:
+            rd = quantize(dequantize(ck), self.read_format)
+            self.read[idx] = rd.data
+            if self.read_scale is not None:
+                self.read_scale[idx] = rd.scale
+        self.cursor[idx] = 0
+
+    def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
+        """fp32 values of the stored checkpoints of ``slots``: ``(n, HV, V, K)``."""
+        idx = self._slots(slots)
+        return dequantize(QuantizedState(self.checkpoint[idx], None, self.checkpoint_format))
+
+    def read_values(self, slots: SlotsLike) -> torch.Tensor:
+        """fp32 values the normal steps read: the read copy, or the checkpoint without one."""
+        if self.read is None:
+            return self.checkpoint_values(slots)
+        idx = self._slots(slots)
+        scale = None if self.read_scale is None else self.read_scale[idx]
+        return dequantize(QuantizedState(self.read[idx], scale, self.read_format))
+
+    def materialize(self, slots: SlotsLike, *, use_qk_l2norm: bool = True) -> torch.Tensor:
+        """fp32 state of ``slots`` with their rings folded in: ``(n, HV, V, K)``, computed in fp64
+        from the checkpoint and the ``cursor`` tokens of each ring, then rounded to fp32.
+        ``use_qk_l2norm`` as given to the steps (the ring holds raw keys)."""
+        idx = self._slots(slots)
+        S = self.checkpoint_values(idx).double()
+        group = self.num_v_heads // self.num_k_heads
+        for row, slot in enumerate(idx.tolist()):
+            for j in range(int(self.cursor[slot])):
+                k = self.ring_k[slot, :, j]
+                k = (l2norm(k) if use_qk_l2norm else k).double().repeat_interleave(group, dim=0)  # [HV, K]
+                alpha = torch.exp(self.ring_g[slot, :, j].double())
+                alpha = alpha[:, None, :] if alpha.dim() == 2 else alpha[:, None, None]
+                beta = self.ring_beta[slot, :, j].double()[:, None]
+                s = S[row] * alpha
+                d = beta * (self.ring_v[slot, :, j].double() - (s * k[:, None, :]).sum(-1))
+                S[row] = s + d[..., None] * k[:, None, :]
+        return S.float()

@@ -1,0 +1,82 @@
+"""Checks shared by the gated delta rule ops (:mod:`.gated_delta`, :mod:`.gated_delta_replay`):
+the token's inputs against the sizes of the state or cache. Metadata checks read shapes,
+dtypes, devices and strides only; the value checks (gates ``<= 0``, ``beta`` in ``[0, 1]``)
+read CPU tensors only: on a GPU they would sync, so there the ranges are the caller's contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from .. import _validate
+from . import _common
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDims:
+    batch: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    channel_gate: bool
+
+
+def check_token(q, k, v, g, beta, *, num_v_heads: int, head_k_dim: int, head_v_dim: int, device: torch.device,
+                owner: str) -> TokenDims:
+    """``q, k (batch, HK, K)``, ``v (batch, HV, V)``, ``g (batch, HV)`` or ``(batch, HV, K)``,
+    ``beta (batch, HV)`` against ``owner``'s (the state's or cache's) HV, K, V and device."""
+    for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("beta", beta, 2)):
+        _validate.tensor(name, t, ndim=ndim)
+    _validate.tensor("g", g)
+    batch, HK, K = k.shape
+    _validate.shape("q", q, k.shape, "(batch, HK, K) as k")
+    if K != head_k_dim:
+        raise ValueError(f"k: expected head_k_dim K = {head_k_dim} ({owner}'s), got shape {tuple(k.shape)}")
+    _validate.shape("v", v, (batch, num_v_heads, head_v_dim), f"(batch, HV, V) with {owner}'s HV and V")
+    if HK < 1 or num_v_heads % HK:
+        raise ValueError(f"k: the number of value heads HV = {num_v_heads} must be a multiple of the key heads "
+                         f"HK, got HK = {HK}")
+    if g.dim() not in (2, 3):
+        raise ValueError(f"g: expected 2 dimensions (batch, HV) for a per-head gate or 3 (batch, HV, K) for a "
+                         f"per-channel gate, got shape {tuple(g.shape)}")
+    channel = g.dim() == 3
+    _validate.shape("g", g, (batch, num_v_heads, K) if channel else (batch, num_v_heads),
+                    "(batch, HV, K)" if channel else "(batch, HV)")
+    _validate.shape("beta", beta, (batch, num_v_heads), "(batch, HV)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _common.float_input(name, t)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _common.unit_inner_stride(name, t)
+    _common.same_device(device, q=q, k=k, v=v, g=g, beta=beta)
+    return TokenDims(batch, HK, num_v_heads, K, head_v_dim, channel)
+
+
+def check_scale(scale) -> Optional[float]:
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected None or a real number, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite number > 0, got {scale}")
+    return float(scale)
+
+
+def check_values(g: torch.Tensor, beta: torch.Tensor) -> None:
+    """Gates in log space ``<= 0`` and ``beta`` in ``[0, 1]``, for CPU tensors (every call)."""
+    if g.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    if g.numel() and not bool((g <= 0).all()):
+        bad = g[~(g <= 0)]
+        raise ValueError(f"g: expected log-space gates <= 0 (decay exp(g) <= 1), got {bad.flatten()[0].item()}")
+    if beta.numel() and not bool(((beta >= 0) & (beta <= 1)).all()):
+        bad = beta[~((beta >= 0) & (beta <= 1))]
+        raise ValueError(f"beta: expected values in [0, 1] (after the sigmoid), got {bad.flatten()[0].item()}")
+
+
+def check_out(out: torch.Tensor, v: torch.Tensor) -> None:
+    _common.check_out(out, v)

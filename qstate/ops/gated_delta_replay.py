@@ -1,0 +1,148 @@
+"""``gated_delta_replay``: one replay decode step of a gated delta rule layer over a
+:class:`qstate.GatedDeltaReplayCache`, as the custom op ``qstate::gated_delta_replay`` (fake impl
+included, so it works under ``torch.compile`` and CUDA-graph capture)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..gated_delta_cache import GatedDeltaReplayCache
+from ..kernels.gated_delta import replay as _kernel
+from . import _common, _gated_delta_checks, _signature
+from ._register import mutating_op
+
+_OP_NAME = "qstate::gated_delta_replay"
+
+
+class _CacheView:
+    """The cache as the launcher reads it, rebuilt inside the custom op from its tensors."""
+
+    def __init__(self, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, ck_format, rd_format):
+        self.checkpoint, self.read, self.read_scale = checkpoint, read, read_scale
+        self.ring_k, self.ring_v, self.ring_g, self.ring_beta, self.cursor = ring_k, ring_v, ring_g, ring_beta, cursor
+        self.checkpoint_format = _common.format_constants(ck_format).fmt
+        self.read_format = None if rd_format == "" else _common.format_constants(rd_format).fmt
+        self.ring_len = ring_k.shape[2]
+        self.num_slots = checkpoint.shape[0]
+        self.device = checkpoint.device
+
+
+def _gated_delta_replay_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    slot_indices: Optional[torch.Tensor], out: torch.Tensor, checkpoint: torch.Tensor, read: Optional[torch.Tensor],
+    read_scale: Optional[torch.Tensor], ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
+    ring_beta: torch.Tensor, cursor: torch.Tensor, checkpoint_format: str, read_format: str, qk_scale: float,
+    use_qk_l2norm: bool,
+) -> None:
+    cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, checkpoint_format,
+                       read_format)
+    _kernel.launch(cache, q, k, v, g, beta, slot_indices, out, qk_scale=qk_scale, use_qk_l2norm=use_qk_l2norm)
+
+
+_gated_delta_replay_op = mutating_op(
+    _OP_NAME, _gated_delta_replay_impl,
+    ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor"))
+_ACCEPTED = _signature.AcceptedSignatures()
+
+
+def _check_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out) -> None:
+    """Every check of :func:`gated_delta_replay` that reads only metadata (its signature)."""
+    if not isinstance(cache, GatedDeltaReplayCache):
+        raise TypeError(f"cache: expected a qstate.GatedDeltaReplayCache, got {type(cache).__name__}")
+    cache.validate()
+    dims = _gated_delta_checks.check_token(q, k, v, g, beta, num_v_heads=cache.num_v_heads,
+                                           head_k_dim=cache.head_k_dim, head_v_dim=cache.head_v_dim,
+                                           device=cache.device, owner="the cache")
+    if dims.num_k_heads != cache.num_k_heads:
+        raise ValueError(f"k: expected HK = {cache.num_k_heads} key heads (the cache's), got shape {tuple(k.shape)}")
+    if dims.channel_gate != (cache.gate == "channel"):
+        want = "(batch, HV, K): the cache holds per-channel gates" if cache.gate == "channel" else \
+            "(batch, HV): the cache holds one gate per head"
+        raise ValueError(f"g: expected shape {want}, got {tuple(g.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != cache.input_dtype:
+            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (the ring keeps the inputs "
+                            f"as given), got {t.dtype}")
+    _gated_delta_checks.check_scale(scale)
+    _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
+    if slot_indices is None:
+        if cache.num_slots != dims.batch:
+            raise ValueError(f"cache: without slot_indices expected {dims.batch} slots (one per batch row), got "
+                             f"{cache.num_slots}")
+    else:
+        if not isinstance(slot_indices, torch.Tensor):
+            raise TypeError(f"slot_indices: expected a torch.Tensor, got {type(slot_indices).__name__}")
+        if slot_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slot_indices: expected int32 or int64, got {slot_indices.dtype}")
+        if tuple(slot_indices.shape) != (dims.batch,):
+            raise ValueError(f"slot_indices: expected shape (batch,) = ({dims.batch},), got "
+                             f"{tuple(slot_indices.shape)}")
+        if slot_indices.device != cache.device:
+            raise ValueError(f"slot_indices: expected a tensor on {cache.device}, got {slot_indices.device}")
+        _common.unit_stride_indices("slot_indices", slot_indices)
+    if out is not None:
+        _gated_delta_checks.check_out(out, v)
+
+
+def _check_index_values(indices, num_slots) -> None:
+    try:
+        _common.check_slot_values(indices, num_slots)
+    except ValueError as error:
+        raise ValueError(str(error).replace("state_batch_indices", "slot_indices", 1)) from None
+
+
+def gated_delta_replay(
+    cache: GatedDeltaReplayCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, *, scale: Optional[float] = None, use_qk_l2norm: bool = True,
+    slot_indices: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One gated delta rule decode token by replay (``docs/design.md#gdn-replay``): outputs from
+    the cache's read copy (or checkpoint) and its ring of inputs; the checkpoint changes only
+    when a slot's ring fills.
+
+    ======================  ==============================================================
+    ``cache``               a :class:`qstate.GatedDeltaReplayCache` (its HK, HV, K, V, gate
+                            kind and input dtype fix the inputs')
+    ``q``, ``k``            ``(batch, HK, K)``, unit inner stride; ``k`` (and ``v``) in the
+                            cache's ``input_dtype``, ``q`` fp32/bf16/fp16
+    ``v``, ``out``          ``(batch, HV, V)``, unit inner stride
+    ``g``                   ``(batch, HV)`` for a ``gate="scalar"`` cache (GDN) or
+                            ``(batch, HV, K)`` for ``gate="channel"`` (KDA): log-space, ``<= 0``
+    ``beta``                ``(batch, HV)`` in ``[0, 1]``
+    ``slot_indices``        ``(batch,)`` int32/int64, contiguous: each row's slot; negative =
+                            padding (output zero, nothing written)
+    ======================  ==============================================================
+
+    Each row appends ``(k, v, g, β)`` to its slot's ring. A row whose ring is not yet full
+    outputs ``o = S_t q̂`` by the adjoint sweep through the ring from the read copy (one rounding
+    of the checkpoint, carried through the ring's contraction) and writes only its ring entry;
+    the row whose ring fills folds the ring into the checkpoint in fp32, outputs from the
+    unrounded result, stores the checkpoint and rebuilds the read copy; then its cursor returns
+    to 0 (``qstate.reference.gated_delta.decode_replay(..., ring="inputs")`` is the reference).
+    ``q̂ = l2(q)·scale`` and ``k̂ = l2(k)`` in fp32 as in :func:`qstate.gated_delta_update`;
+    ``use_qk_l2norm`` and ``scale`` must stay the same for every step between resets (the ring
+    keeps raw keys). The flush decision is made on the device, so a step can be captured in a
+    CUDA graph. On CPU tensors an index ``≥ num_slots``, a slot named twice, a gate ``> 0`` or a
+    ``beta`` outside ``[0, 1]`` raise; on a GPU they are the caller's contract (a row ``≥
+    num_slots`` outputs NaN and writes nothing). Returns ``out`` (allocated like ``v`` when None).
+    """
+    signature = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
+                 *map(_signature.tensor_meta, (q, k, v, g, beta, slot_indices, out)),
+                 *(() if not isinstance(cache, GatedDeltaReplayCache) else
+                   tuple(map(_signature.tensor_meta, cache.tensors().values()))))
+    _ACCEPTED.check_once(signature, _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
+    if slot_indices is not None:
+        _check_index_values(slot_indices, cache.num_slots)
+    _gated_delta_checks.check_values(g, beta)
+    if out is None:
+        out = torch.empty_like(v)
+    if v.shape[0] == 0:
+        return out
+    qk_scale = cache.head_k_dim ** -0.5 if scale is None else float(scale)
+    _gated_delta_replay_op(q, k, v, g, beta, slot_indices, out, cache.checkpoint, cache.read, cache.read_scale,
+                           cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor,
+                           str(cache.checkpoint_format), "" if cache.read_format is None else str(cache.read_format),
+                           qk_scale, use_qk_l2norm)
+    return out

@@ -1,0 +1,239 @@
+"""Replay decode of the gated delta rule (qstate.gated_delta_replay, GatedDeltaReplayCache) under
+the interpreter, against qstate.reference.gated_delta.
+
+Each step's output is checked against the exact recurrence (fp64) run from what the kernel
+reads (the read copy, or the checkpoint at a flush) over the slot's ring and the current token:
+the adjoint sweep is exact, so the only error is fp32 rounding of sums over K and V and of the
+fold, ``(n + 1) · K · 2**-24`` relative times a factor 8 for the ratio of the sums of magnitudes
+(below 4 for random data). The read copy is compared bit for bit with ``quantize`` of the stored
+checkpoint. End to end, outputs, checkpoints and the materialized state are compared with
+``decode_replay(ring="inputs")``: with an fp32 checkpoint and no read copy they differ by fp32
+rounding only.
+"""
+
+import pytest
+import torch
+
+import qstate
+from qstate import formats
+from qstate.reference import gated_delta as reference
+
+from helpers.gated_delta import bits_of, rel_rms, token, tokens
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def bound(K, steps):
+    return steps * K * 2.0**-24 * 8
+
+
+def allocate(num_slots, *, channel, ring_len, read, checkpoint="fp32", HK=1, HV=2, K=32, V=16,
+             input_dtype=torch.float32):
+    return qstate.GatedDeltaReplayCache.allocate(num_slots, HK, HV, K, V, gate="channel" if channel else "scalar",
+                                                 ring_len=ring_len, checkpoint=checkpoint, read=read,
+                                                 input_dtype=input_dtype)
+
+
+class Tracker:
+    """The tokens in each slot's ring, to compute each step's expected output."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.rings = {s: [] for s in range(cache.num_slots)}
+
+    def reset(self, slot):
+        self.rings[slot] = []
+
+    def step(self, inp, slots, **kw):
+        """Run one step; return (out, expected) for the live rows."""
+        cache = self.cache
+        expected = []
+        for row, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            n = int(cache.cursor[slot])
+            assert n == len(self.rings[slot])
+            base = cache.checkpoint_values(slot) if n == cache.ring_len - 1 else cache.read_values(slot)
+            ring = self.rings[slot] + [{name: inp[name][row:row + 1] for name in NAMES}]
+            stacked = {name: torch.stack([t[name] for t in ring]) for name in NAMES}
+            o, _ = reference.decode_exact(base, *(stacked[name] for name in NAMES), **kw)
+            expected.append(o[-1, 0])
+            self.rings[slot] = [] if n == cache.ring_len - 1 else ring
+        out = torch.full(inp["v"].shape, float("nan"), dtype=inp["v"].dtype)
+        indices = torch.tensor(slots, dtype=torch.int32)
+        qstate.gated_delta_replay(cache, **inp, slot_indices=indices, out=out, **kw)
+        live = [row for row, slot in enumerate(slots) if slot >= 0]
+        return out, out[live], torch.stack(expected)
+
+
+def check_read_copy(cache):
+    if cache.read_format is None:
+        return
+    want = formats.quantize(cache.checkpoint_values(range(cache.num_slots)), cache.read_format)
+    assert torch.equal(bits_of(cache.read), bits_of(want.data))
+    if want.scale is not None:
+        assert torch.equal(bits_of(cache.read_scale), bits_of(want.scale))
+
+
+CASES = [
+    # (channel, ring_len, checkpoint, read)
+    (False, 1, "fp32", None),
+    (False, 4, "fp32", "fp8_e4m3:row"),
+    (True, 4, "fp32", "int8:row"),
+    (True, 4, "bf16", "fp8_e5m2:row"),
+    (False, 4, "fp16", "bf16"),
+    (True, 16, "fp32", "fp8_e4m3:row"),
+]
+
+
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read", CASES)
+def test_each_step_against_the_exact_recurrence_from_what_it_reads(channel, ring_len, checkpoint, read):
+    steps = ring_len + 1 if ring_len > 1 else 3
+    slots = [1, 0] if ring_len < 16 else [0]  # the long ring on one row: the interpreter pays per program
+    cache = allocate(2, channel=channel, ring_len=ring_len, read=read, checkpoint=checkpoint)
+    cache.reset([0, 1], torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(5)))
+    tracker = Tracker(cache)
+    for t in range(steps):
+        inp = token(len(slots), 1, 2, 32, 16, channel=channel, seed=t)
+        _, out, expected = tracker.step(inp, slots)
+        assert rel_rms(out, expected) < bound(32, ring_len), f"step {t}"
+        check_read_copy(cache)
+    assert cache.cursor[0] == steps % ring_len
+
+
+@pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
+def test_against_decode_replay_end_to_end(channel):
+    """fp32 checkpoint, no read copy, HV/HK 4 (GDN) or 2 (KDA), bf16 inputs: outputs, the last
+    stored checkpoint and the materialized state equal decode_replay's within fp32 rounding."""
+    T, L, HK, HV, K, V = 5, 4, 1, 2 if channel else 4, 32, 24
+    inp = tokens(T, 2, HK, HV, K, V, channel=channel, dtype=torch.bfloat16)
+    state0 = torch.randn(2, HV, V, K, generator=torch.Generator().manual_seed(3))
+    cache = allocate(2, channel=channel, ring_len=L, read=None, HK=HK, HV=HV, K=K, V=V, input_dtype=torch.bfloat16)
+    cache.reset([0, 1], state0)
+    outs = [qstate.gated_delta_replay(cache, *(inp[n][t] for n in NAMES)).float() for t in range(T)]
+    o_ref, final, ck = reference.decode_replay(state0, *(inp[n] for n in NAMES), ring_len=L, return_checkpoint=True)
+    # bf16 outputs: one rounding of 2**-9 relative.
+    assert rel_rms(torch.stack(outs), o_ref) < 2.0**-8
+    assert rel_rms(cache.checkpoint, ck) < bound(K, L)
+    assert rel_rms(cache.materialize([0, 1]), final) < bound(K, T)
+
+
+def test_staggered_cursors_slot_indices_padding_and_reset():
+    """Slots advanced to different cursors, then steps over all of them with padding rows; a
+    mid-stream reset starts its slot afresh; untouched slots stay bit for bit."""
+    L = 4
+    cache = allocate(5, channel=True, ring_len=L, read="fp8_e4m3:row")
+    cache.reset(range(5), torch.randn(5, 2, 16, 32, generator=torch.Generator().manual_seed(9)))
+    tracker = Tracker(cache)
+    for t, slots in enumerate(([0], [0, 2], [2, 3, 0])):
+        tracker.step(token(len(slots), 1, 2, 32, 16, channel=True, seed=20 + t), slots)
+    assert cache.cursor.tolist() == [3, 0, 2, 1, 0]
+    untouched = {name: t.clone() for name, t in cache.tensors().items() if t is not None}
+    for t in range(3):
+        slots = [3, -1, 0, 2]
+        full, out, expected = tracker.step(token(4, 1, 2, 32, 16, channel=True, seed=30 + t), slots)
+        assert torch.equal(full[1], torch.zeros_like(full[1]))
+        assert rel_rms(out, expected) < bound(32, L)
+        check_read_copy(cache)
+        if t == 1:
+            cache.reset([2], torch.randn(1, 2, 16, 32))
+            tracker.reset(2)
+    for name in ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta"):
+        for slot in (1, 4):
+            assert torch.equal(bits_of(getattr(cache, name)[slot]), bits_of(untouched[name][slot])), name
+    assert cache.cursor.tolist() == [2, 0, 1, 0, 0]
+
+
+def test_a_cursor_outside_the_ring_is_clamped_into_it():
+    """Whatever the cursor holds, the kernel addresses the slot's own ring only."""
+    cache = allocate(3, channel=False, ring_len=4, read=None)
+    cache.cursor.copy_(torch.tensor([1000, 0, -7], dtype=torch.int32))
+    before = {name: t.clone() for name, t in cache.tensors().items() if t is not None}
+    out = qstate.gated_delta_replay(cache, **token(2, 1, 2, 32, 16), slot_indices=torch.tensor([0, 2]))
+    assert not out.isnan().any()
+    assert cache.cursor.tolist() == [0, 0, 1]
+    for name in ("checkpoint", "ring_k", "ring_v", "ring_g", "ring_beta"):
+        assert torch.equal(getattr(cache, name)[1], before[name][1]), name
+
+
+def test_sizes_and_from_tensors():
+    cache = allocate(2, channel=True, ring_len=4, read="int8:row")
+    assert cache.gate == "channel" and cache.ring_len == 4 and cache.input_dtype == torch.float32
+    assert cache.nbytes == sum(t.numel() * t.element_size() for t in cache.tensors().values() if t is not None)
+    # The Qwen3.5-122B-A10B layer: the traffic of a conventional fp32 step (read and write the
+    # state) over the replay cycle's (docs/design.md#gdn-shapes: about 4.6x).
+    big = qstate.GatedDeltaReplayCache.allocate(1, 16, 64, 128, 128, device="meta")
+    assert 4.4 < 2 * 64 * 128 * 128 * 4 / big.bytes_per_step() < 4.8
+    again = qstate.GatedDeltaReplayCache.from_tensors(
+        checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
+        ring_beta=cache.ring_beta, cursor=cache.cursor, read_format="int8:row", read=cache.read,
+        read_scale=cache.read_scale)
+    assert again.gate == "channel" and again.checkpoint is cache.checkpoint
+    with pytest.raises(ValueError, match="^cursor:"):
+        qstate.GatedDeltaReplayCache.from_tensors(
+            checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
+            ring_beta=cache.ring_beta, cursor=torch.tensor([0, 4], dtype=torch.int32), read_format="int8:row",
+            read=cache.read, read_scale=cache.read_scale)
+    with pytest.raises(ValueError, match="^read:"):
+        qstate.GatedDeltaReplayCache.from_tensors(
+            checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
+            ring_beta=cache.ring_beta, cursor=cache.cursor, read_format="int8:row", read_scale=cache.read_scale)
+    with pytest.raises(ValueError, match="^checkpoint:"):
+        allocate(1, channel=False, ring_len=4, read=None, checkpoint="int8:row")
+    with pytest.raises(ValueError, match="^read:"):
+        allocate(1, channel=False, ring_len=4, read="int8:head")
+    with pytest.raises(ValueError, match="^gate:"):
+        qstate.GatedDeltaReplayCache.allocate(1, 1, 2, 32, 16, gate="vector")
+
+
+BAD = [
+    (dict(g=torch.zeros(2, 2, 32)), ValueError, "g"),
+    (dict(k=torch.zeros(2, 1, 24), q=torch.zeros(2, 1, 24)), ValueError, "k"),
+    (dict(k=torch.zeros(2, 2, 32), q=torch.zeros(2, 2, 32)), ValueError, "k"),
+    (dict(v=torch.zeros(2, 2, 8)), ValueError, "v"),
+    (dict(v=torch.zeros(2, 2, 16, dtype=torch.bfloat16)), TypeError, "v"),
+    (dict(g=torch.full((2, 2), 0.5)), ValueError, "g"),
+    (dict(beta=torch.full((2, 2), -0.5)), ValueError, "beta"),
+    (dict(slot_indices=torch.tensor([0, 3])), ValueError, "slot_indices"),
+    (dict(slot_indices=torch.tensor([1, 1])), ValueError, "slot_indices"),
+    (dict(out=torch.zeros(2, 2, 8)), ValueError, "out"),
+    (dict(scale=0.0), ValueError, "scale"),
+]
+
+
+@pytest.mark.parametrize("overrides,exc,name", BAD)
+def test_bad_input_names_the_argument_and_changes_nothing(overrides, exc, name):
+    cache = allocate(3, channel=False, ring_len=4, read="fp8_e4m3:row")
+    before = {n: t.clone() for n, t in cache.tensors().items() if t is not None}
+    args = dict(token(2, 1, 2, 32, 16), slot_indices=torch.tensor([0, 2]))
+    args.update(overrides)
+    with pytest.raises(exc, match=f"^{name}:"):
+        qstate.gated_delta_replay(cache, **args)
+    for n, t in before.items():
+        assert torch.equal(bits_of(getattr(cache, n)), bits_of(t)), n
+
+
+def test_a_cache_of_another_family_is_refused():
+    mamba = qstate.ReplayCache.allocate(2, 2, 16, 32, read=None)
+    with pytest.raises(TypeError, match="^cache:"):
+        qstate.gated_delta_replay(mamba, **token(2, 1, 2, 32, 16))
+
+
+def test_torch_compile_through_the_custom_ops():
+    """Both ops trace whole (fullgraph) through their custom ops and equal the eager calls."""
+    inp = token(2, 1, 2, 32, 16)
+    eager, traced = (allocate(2, channel=False, ring_len=2, read="int8:row") for _ in range(2))
+    state = torch.randn(2, 2, 16, 32)
+    eager_state = state.clone()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(state, q, k, v, g, beta):
+        return qstate.gated_delta_replay(traced, q, k, v, g, beta), qstate.gated_delta_update(state, q, k, v, g, beta)
+
+    for _ in range(2):
+        expected = qstate.gated_delta_replay(eager, **inp), qstate.gated_delta_update(eager_state, **inp)
+        got = step(state, **inp)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert torch.equal(state, eager_state)
+        for name in ("checkpoint", "read", "read_scale", "ring_k", "cursor"):
+            assert torch.equal(getattr(traced, name), getattr(eager, name)), name
