@@ -238,23 +238,30 @@ class PreparedLaunch:
 
 
 class PreparedLaunches:
-    """Several :class:`PreparedLaunch` made as one call: ``prepared(*tensors)`` splits the op's
-    tensors into each launch's leading arguments (``split(*tensors)``, in launch order) and
-    launches them all if every one fits, so a refused later launch never leaves an earlier one
-    made twice; returns whether it launched."""
+    """Several :class:`PreparedLaunch` made as one call: ``prepared(*tensors)`` launches them all,
+    each with its leading arguments taken from the op's tensors (``split(*tensors)``, in launch
+    order), and returns True; or, if a tensor's 16-byte alignment differs from the ``tensors``
+    they were prepared with, launches none and returns False (a later launch refused never
+    leaves an earlier one made twice). Every leading tensor of the launches is one of the op's
+    tensors at the same address (what :meth:`CompiledLaunch.prepare` checked), so the op's
+    tensors' alignment, checked once each, is every launch's; their leading arguments hold no
+    volatile integer."""
 
-    __slots__ = ("_launches", "_split")
+    __slots__ = ("_launches", "_split", "_aligned")
 
-    def __init__(self, launches: Sequence[PreparedLaunch], split: Callable[..., tuple]):
+    def __init__(self, launches: Sequence[PreparedLaunch], split: Callable[..., tuple], tensors: Sequence):
+        if any(prepared._integer_types for prepared in launches):
+            raise ValueError("launches: expected no volatile integer among the leading arguments")
         self._launches = tuple(launches)
         self._split = split
+        self._aligned = tuple((position, tensor.data_ptr() % 16 == 0) for position, tensor in enumerate(tensors)
+                              if isinstance(tensor, torch.Tensor))
 
     def __call__(self, *tensors) -> bool:
-        parts = self._split(*tensors)
-        for prepared, leading in zip(self._launches, parts):
-            if not prepared.fits(*leading):
+        for position, aligned in self._aligned:
+            if (tensors[position].data_ptr() % 16 == 0) != aligned:
                 return False
-        for prepared, leading in zip(self._launches, parts):
+        for prepared, leading in zip(self._launches, self._split(*tensors)):
             prepared.launch(*leading)
         return True
 

@@ -190,7 +190,9 @@ def prepare_decode(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
     launches = [launch.prepare(grid, launch_args, constexprs, leading, on_gpu)
                 for (launch, grid, launch_args, constexprs), leading in zip(_decode_launches(*args, **kwargs),
                                                                             _decode_leading(*tensors))]
-    return None if any(launch is None for launch in launches) else PreparedLaunches(launches, _decode_leading)
+    if any(launch is None for launch in launches):
+        return None
+    return PreparedLaunches(launches, _decode_leading, tensors)
 
 
 def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,

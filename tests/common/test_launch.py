@@ -138,12 +138,12 @@ def test_register_caps_apply_to_gpu_launches_only():
     assert launch.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}
 
 
-def _prepared(kernel, leading=None, on_gpu=True):
-    """A first call's launch and that launch prepared (``leading``: what the repeats pass)."""
+def _prepared(kernel, leading=lambda args: args, on_gpu=True):
+    """A first call's launch and that launch prepared (``leading(args)``: what the repeats pass)."""
     run = launch.CompiledLaunch(kernel, volatile=("seed",))
     args = _args()
     run((3, 1), args, CONSTEXPRS, on_gpu=on_gpu)
-    return run.prepare((3, 1), args, CONSTEXPRS, args if leading is None else leading, on_gpu=on_gpu)
+    return run.prepare((3, 1), args, CONSTEXPRS, leading(args), on_gpu=on_gpu)
 
 
 def test_a_prepared_launch_puts_the_call_arguments_before_the_bound_ones(kernel):
@@ -175,20 +175,23 @@ def test_a_prepared_launch_refuses_what_triton_would_compile_again(kernel, chang
 
 
 def test_copies_and_uncompiled_launches_are_not_prepared(kernel):
-    args = _args()
-    assert _prepared(kernel, leading=(args[0].clone(), *args[1:])) is None  # a copy made for the launch
+    assert _prepared(kernel, leading=lambda args: (args[0].clone(), *args[1:])) is None  # a copy made for the launch
     assert _prepared(kernel, on_gpu=False) is None  # the interpreter
 
 
 def test_prepared_launches_launch_all_or_nothing(kernel):
-    """Two launches made as one: a refused second launch leaves the first unmade."""
-    first, second = _prepared(kernel), _prepared(kernel)
-    both = launch.PreparedLaunches((first, second), lambda a, b: ((a, b, 64, 1), (a, b, 64, 2)))
-    a, b = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
-    assert both(a, b)
-    assert [entry[2][3] for entry in kernel.log[2:]] == [1, 2]
-    assert not both(a, torch.zeros(9, dtype=torch.int32)[1:])
+    """Two launches made as one from the op's tensors: a tensor at another alignment refuses
+    both; a volatile leading integer cannot be among them."""
+    a, b = _args()[:2]  # 16-byte aligned, as the prepared calls' tensors
+    both = launch.PreparedLaunches([_prepared(kernel, leading=lambda args: args[:2]) for _ in range(2)],
+                                   lambda a, b: ((a, b), (b, b)), (a, b))
+    c, d = torch.ones(8), torch.ones(8, dtype=torch.int32)
+    assert both(c, d)
+    assert [entry[2][:2] for entry in kernel.log[2:]] == [(c, d), (d, d)]
+    assert not both(c, torch.zeros(9, dtype=torch.int32)[1:])
     assert len(kernel.log) == 4
+    with pytest.raises(ValueError, match="volatile"):
+        launch.PreparedLaunches([_prepared(kernel)], lambda *t: (t,), _args())
 
 
 def _dispatch_call(dispatch, checks, signature, kernel):
