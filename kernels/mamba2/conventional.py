@@ -218,10 +218,10 @@ def launch(
 
 def prepare(leading, *args, **kwargs) -> Optional[PreparedLaunch]:
     """After ``launch(*args, **kwargs)``: that launch prepared for the op's dispatch entry
-    (common/launch.py), or None where it cannot be (``CompiledLaunch.prepare``). ``leading``: what the op's repeat calls pass as the kernel's
-    first arguments, ``(state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out,
-    seed_tensor, seed)``, each the tensor given to ``launch`` or one it is a view of at the same
-    address."""
+    (common/launch.py), or None where it cannot be (``CompiledLaunch.prepare``). ``leading``:
+    what the op's repeat calls pass as the kernel's first arguments, ``(state, state_scale, x,
+    dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed)``, each the tensor given
+    to ``launch`` or one it is a view of at the same address."""
     grid, kernel_args, constexprs = _kernel_call(*args, **kwargs)
     return _launch.prepare(grid, kernel_args, constexprs, leading, args[0].is_cuda)
 

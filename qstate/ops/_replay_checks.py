@@ -1,6 +1,7 @@
 """Checks shared by the ops over a :class:`~qstate.ReplayCache` (replay decode and speculative
 decoding): ``out``, slot indices, the ring's inputs, and the once-per-signature wrapper of a
-decode or verify call (its dispatch entry). Errors name the argument, the expected and the actual value."""
+decode or verify call (its dispatch entry). Errors name the argument, the expected and the
+actual value."""
 
 from __future__ import annotations
 

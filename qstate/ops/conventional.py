@@ -10,8 +10,8 @@ import torch
 
 from .. import _validate
 from ..cache import SEED_LIMIT
-from ..kernels.mamba2 import conventional as _kernel
 from ..kernels.common.launch import Dispatch
+from ..kernels.mamba2 import conventional as _kernel
 from . import _common, _signature
 from ._register import eager, mutating_op
 

@@ -16,8 +16,8 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
-from ..kernels.mamba2 import replay as _kernel
 from ..kernels.common.launch import Dispatch
+from ..kernels.mamba2 import replay as _kernel
 from . import _common, _replay_checks
 from ._register import eager, mutating_op
 
