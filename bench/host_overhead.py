@@ -1,16 +1,18 @@
 """Python cost of an eager call, without a GPU: the public ops and their launchers at batch 1 of
 nemotron-h-8b's layer (CPU tensors) with every Triton launch replaced by a no-op that stands in
-for a compiled GPU kernel, so what is timed is the Python a GPU call runs (checks, argument
-plumbing, launch plans, compiled-launch signatures and prepared launches) without the launch.
+for a compiled GPU kernel, so what is timed is the Python a GPU call runs (its signature and
+dispatch entry, value checks, prepared launches; for ops without a prepared launch the argument
+plumbing, launch plans and compiled launchers) without the launch.
 
-    python bench/host_overhead.py [--calls 2000]
+    python bench/host_overhead.py [--calls 2000] [--clock cpu]
 
-Prints µs per call (the median of five rounds): ``selective_state_update`` (fp32 state) and its
-launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) and its launcher,
-``replay_verify`` of 4 drafts (same cache formats) and its launcher, ``replay_commit`` and its
-launcher. On CPU tensors ``replay_commit`` also checks the accepted counts on the host, which it
-skips on a GPU (it would sync). On a GPU
-host the Triton launches add to these (bench/README.md, "Eager overhead").
+Prints µs per call (the median of five rounds; ``--clock cpu``: of the process's CPU time,
+steadier than wall time on a host other work shares): ``selective_state_update`` (fp32 state)
+and its launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) and its
+launcher, ``replay_verify`` of 4 drafts (same cache formats) and its launcher,
+``replay_commit`` and its launcher. On CPU tensors ``replay_commit`` also checks the accepted
+counts on the host, which it skips on a GPU (it would sync). On a GPU host the Triton launches
+add to these (bench/README.md#eager).
 """
 
 from __future__ import annotations
@@ -36,22 +38,24 @@ _KERNELS = {conventional: ["_conventional_kernel"],
                           "_commit_kernel"]}
 
 
-def _us(fn, calls: int) -> float:
+def _us(fn, calls: int, clock) -> float:
     for _ in range(100):
         fn()
     rounds = []
     for _ in range(5):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
+        rounds.append((clock() - start) / calls * 1e6)
     return statistics.median(rounds)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for module, names in _KERNELS.items():
         for name in names:
             replace_kernel(module, name, StandInKernel(getattr(module, name)), stand_in=True)
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
                      ("replay_decode", public_replay), ("  launcher", launcher_replay),
                      ("replay_verify", public_verify), ("  launcher", launcher_verify),
                      ("replay_commit", public_commit), ("  launcher", launcher_commit)):
-        print(f"{name:24s} {_us(fn, args.calls):7.1f} us", flush=True)
+        print(f"{name:24s} {_us(fn, args.calls, clock):7.1f} us", flush=True)
     return 0
 
 

@@ -14,10 +14,12 @@ def _modules() -> tuple:
 
 
 def clear_launch_plans() -> None:
-    """Forget the launchers' plans (tile, grid and constexprs, cached per call signature): call it
-    after changing a launcher module's tuning constant, whose value a cached plan would keep."""
-    from .common.launch import CompiledLaunch
+    """Forget the launchers' plans (tile, grid and constexprs, cached per call signature) and the
+    ops' prepared launches: call it after changing a launcher module's tuning constant, whose
+    value a cached plan would keep."""
+    from .common.launch import CompiledLaunch, clear_dispatches
 
+    clear_dispatches()
     for module in _modules():
         for name, value in vars(module).items():
             if isinstance(value, CompiledLaunch):

@@ -1,38 +1,112 @@
-"""Eager GPU launches of a ``@triton.jit`` kernel without Triton's per-call argument binding.
+"""How an op's call reaches its kernels: one :class:`Dispatch` per op, one entry per call signature.
 
-``kernel[grid](*args, **constexprs)`` specializes every argument again on every call (pointer
-alignment, integer divisibility, the cache key): on the H200 machine's host about 30 µs of a
-36 µs conventional launcher call, against 9 µs for the compiled kernel's own launcher
-(kernels/README.md, "launch.py"). :class:`CompiledLaunch` makes the first call of a call
-signature through ``kernel[grid]`` and keeps the compiled kernel's launcher
-(``CompiledKernel[grid]``, the launch path Triton gives compiled kernels); later calls with the
-same signature go straight to it.
+:class:`Dispatch` keeps, for each signature of an op's calls, one entry: the op's checks passed
+for it, and after its first eager GPU call the launches of that call prepared
+(:class:`PreparedLaunch`: the compiled kernel's launcher with every argument but the call's
+tensors bound). A repeat eager GPU call launches those directly; every other call (the
+interpreter, ``torch.compile``, fake tensors) goes through the op's ``torch.library`` op to
+its launcher (kernels/README.md#dispatch).
 
-A signature is what Triton specializes on, taken conservatively: the launch's constexprs (the
+Below the op, :class:`CompiledLaunch` makes a launcher's launches without Triton's per-call
+argument binding: ``kernel[grid](*args, **constexprs)`` specializes every argument again on
+every call (pointer alignment, integer divisibility, the cache key), on the H200 machine's host
+about 30 µs of a 36 µs conventional launcher call against 9 µs for the compiled kernel's own
+launcher. The first call of a kernel signature goes through ``kernel[grid]`` and keeps the
+compiled kernel's launcher (``CompiledKernel[grid]``); later calls go straight to it. A kernel
+signature is what Triton specializes on, taken conservatively: the launch's constexprs (the
 launcher's cached plan, by identity), the grid, the device, each tensor argument's dtype and
 whether its address is a multiple of 16, and the exact value of every other argument, except
 ``volatile`` ones (declared ``do_not_specialize`` in the kernel), of which only the integer
 type Triton gives them counts. CPU tensors (the interpreter) always take ``kernel[grid]``.
-
-:class:`PreparedLaunch` goes one step further for an op whose checks already hold a call
-signature of its own (shapes, strides, dtypes, plain arguments): everything a launch computes
-from those (grid, sizes, strides, constexprs, the compiled launcher) is kept under the op's key,
-and a repeat call only puts its tensors in front (kernels/README.md, "launch.py").
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-# Eager GPU calls after the first of a call signature launch the compiled kernel directly;
-# False: every call through ``kernel[grid]``.
+# Eager GPU calls after the first of a signature launch the compiled kernel directly (prepared,
+# or from CompiledLaunch's table); False: every call through ``kernel[grid]``.
 ENABLED = True
-# Entries kept per kernel before the table starts again (call signatures come from shapes and
+# Entries kept per op or kernel before the table starts again (signatures come from shapes and
 # strides, so a serving engine meets few; the bound only keeps a pathological caller finite).
 MAX_SIGNATURES = 4096
+
+
+class Dispatch:
+    """One op's calls by signature: one :class:`DispatchEntry` per signature.
+
+    A signature holds what the op's checks read (shapes, strides, dtypes, devices, plain
+    arguments) and everything else its launches are a function of, but no tensor address and
+    no device data. ``entry(signature, check, *args)`` runs ``check(*args)`` the first time it
+    meets ``signature`` and keeps an entry if it passes (an error propagates; nothing is
+    kept); a repeat returns the entry without checking. An unhashable signature (a plain
+    argument of a type the checks reject) is checked every call and gets an entry kept nowhere.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._entries: dict = {}
+        _DISPATCHES.add(self)
+
+    def entry(self, signature: Hashable, check: Callable[..., None], *args) -> "DispatchEntry":
+        try:
+            entry = self._entries.get(signature)
+        except TypeError:
+            check(*args)
+            return DispatchEntry()
+        if entry is None:
+            check(*args)
+            if len(self._entries) >= MAX_SIGNATURES:
+                self._entries.clear()
+            entry = self._entries[signature] = DispatchEntry()
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_DISPATCHES: "weakref.WeakSet[Dispatch]" = weakref.WeakSet()
+
+
+def clear_dispatches() -> None:
+    """Forget every op's entries (their prepared launches hold the kernels and plans of the
+    moment they were made)."""
+    for dispatch in _DISPATCHES:
+        dispatch.clear()
+
+
+class DispatchEntry:
+    """What a signature of an op keeps: its checks passed, and ``prepared``, the launches of its
+    first eager GPU call (a :class:`PreparedLaunch` or :class:`PreparedLaunches`): None until that
+    call, False where they cannot be prepared."""
+
+    __slots__ = ("prepared",)
+
+    def __init__(self):
+        self.prepared = None
+
+    @property
+    def unprepared(self) -> bool:
+        """Whether an eager GPU call should prepare its launches here (none tried yet, and
+        ``ENABLED``)."""
+        return self.prepared is None and ENABLED
+
+    def keep(self, prepared) -> None:
+        """Keep ``prepared`` (None: the launches cannot be prepared; later calls take the full path)."""
+        self.prepared = False if prepared is None else prepared
+
+    def launch(self, *tensors) -> bool:
+        """The prepared launches with the call's tensors; False, and nothing launched, if there
+        are none (or ``ENABLED`` is off) or they do not fit these tensors."""
+        prepared = self.prepared
+        return bool(prepared) and ENABLED and prepared(*tensors)
 
 
 def register_cap(maxnreg: Optional[int], device: torch.device) -> dict:
@@ -61,11 +135,9 @@ class CompiledLaunch:
         self.volatile = tuple(volatile)
         self._volatile = frozenset(kernel.arg_names.index(name) for name in volatile)
         self._launchers: dict = {}
-        self._prepared: dict = {}
 
     def clear(self) -> None:
         self._launchers.clear()
-        self._prepared.clear()
 
     def _signature(self, grid, args, constexprs):
         key = [id(constexprs), grid, args[0].device.index]  # the ops put every tensor on one device
@@ -98,48 +170,33 @@ class CompiledLaunch:
         launcher, trailing, _ = entry
         launcher(*args, *trailing)
 
-    def prepare(self, key: Hashable, grid, args: Sequence, constexprs: dict, leading: Sequence,
-                on_gpu: bool) -> None:
-        """Keep the launch just made with ``(grid, args, constexprs)`` under the caller's ``key``
-        as a :class:`PreparedLaunch` whose first ``len(leading)`` arguments a call supplies. Each
-        of ``leading`` is what the caller will pass in that place: the argument itself, or for a
-        tensor one at the same address (the caller's tensor of which the argument is a view). If
-        one is not (a copy made for the launch), or the launch is not compiled (``on_gpu`` False:
-        the interpreter), the key is marked as one that cannot be prepared (:meth:`knows` it,
-        :meth:`prepared` gives None). While ``ENABLED`` is off nothing is kept."""
-        if not ENABLED:
-            return
-        if len(self._prepared) >= MAX_SIGNATURES:
-            self._prepared.clear()
+    def prepare(self, grid, args: Sequence, constexprs: dict, leading: Sequence,
+                on_gpu: bool) -> Optional["PreparedLaunch"]:
+        """The launch just made with ``(grid, args, constexprs)`` as a :class:`PreparedLaunch`
+        whose first ``len(leading)`` arguments a call supplies, or None where it cannot be
+        prepared: the launch is not compiled (``on_gpu`` False: the interpreter), or one of
+        ``leading`` is not what the caller will pass in that place (the argument itself, or for
+        a tensor one at the same address, the caller's tensor of which the argument is a view;
+        not a copy made for the launch)."""
         on_gpu = on_gpu or self.stand_in
         entry = self._launchers.get(self._signature(grid, args, constexprs)) if on_gpu else None
         if entry is None:
-            self._prepared[key] = None
-            return
+            return None
         for given, passed in zip(leading, args):
             if isinstance(passed, torch.Tensor):
                 fits = isinstance(given, torch.Tensor) and given.data_ptr() == passed.data_ptr()
             else:
                 fits = type(given) is type(passed)
             if not fits:
-                self._prepared[key] = None
-                return
+                return None
         launcher, trailing, _ = entry
         count = len(leading)
-        self._prepared[key] = PreparedLaunch(
+        return PreparedLaunch(
             launcher, (*args[count:], *trailing),
             tuple((position, value.data_ptr() % 16 == 0) for position, value in enumerate(args[:count])
                   if isinstance(value, torch.Tensor)),
             tuple((position, _integer_type(args[position])) for position in sorted(self._volatile)
                   if position < count))
-
-    def knows(self, key: Hashable) -> bool:
-        """Whether :meth:`prepare` has kept ``key``, as a launch or as one that cannot be prepared."""
-        return key in self._prepared
-
-    def prepared(self, key: Hashable) -> Optional["PreparedLaunch"]:
-        """The :class:`PreparedLaunch` kept under ``key``, or None (also while ``ENABLED`` is off)."""
-        return self._prepared.get(key) if ENABLED else None
 
 
 class PreparedLaunch:
@@ -150,8 +207,8 @@ class PreparedLaunch:
     prepared from (Triton would have compiled another kernel): then it launches nothing and
     returns False. ``fits`` and ``launch`` are the two halves, for an op that must know all its
     launches fit before making the first. The caller vouches for everything else (shapes,
-    strides, dtypes, devices and plain arguments equal to the prepared call's): that is what its
-    key must hold."""
+    strides, dtypes, devices and plain arguments equal to the prepared call's): that is what the
+    op's :class:`Dispatch` signature holds."""
 
     __slots__ = ("_launcher", "_bound", "_aligned", "_integer_types")
 
@@ -177,6 +234,35 @@ class PreparedLaunch:
         if not self.fits(*leading):
             return False
         self.launch(*leading)
+        return True
+
+
+class PreparedLaunches:
+    """Several :class:`PreparedLaunch` made as one call: ``prepared(*tensors)`` launches them all,
+    each with its leading arguments taken from the op's tensors (``split(*tensors)``, in launch
+    order), and returns True; or, if a tensor's 16-byte alignment differs from the ``tensors``
+    they were prepared with, launches none and returns False (a later launch refused never
+    leaves an earlier one made twice). Every leading tensor of the launches is one of the op's
+    tensors at the same address (what :meth:`CompiledLaunch.prepare` checked), so the op's
+    tensors' alignment, checked once each, is every launch's; their leading arguments hold no
+    volatile integer."""
+
+    __slots__ = ("_launches", "_split", "_aligned")
+
+    def __init__(self, launches: Sequence[PreparedLaunch], split: Callable[..., tuple], tensors: Sequence):
+        if any(prepared._integer_types for prepared in launches):
+            raise ValueError("launches: expected no volatile integer among the leading arguments")
+        self._launches = tuple(launches)
+        self._split = split
+        self._aligned = tuple((position, tensor.data_ptr() % 16 == 0) for position, tensor in enumerate(tensors)
+                              if isinstance(tensor, torch.Tensor))
+
+    def __call__(self, *tensors) -> bool:
+        for position, aligned in self._aligned:
+            if (tensors[position].data_ptr() % 16 == 0) != aligned:
+                return False
+        for prepared, leading in zip(self._launches, self._split(*tensors)):
+            prepared.launch(*leading)
         return True
 
 
@@ -220,3 +306,4 @@ def replace_kernel(module, name: str, replacement, stand_in: bool = False) -> No
             value.kernel = replacement
             value.stand_in = stand_in
             value.clear()
+    clear_dispatches()  # prepared launches hold the kernel's compiled launcher

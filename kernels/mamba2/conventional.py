@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Optional
 
 import torch
 
 from ..common import codec, pdl, sizes
-from ..common.launch import CompiledLaunch, register_cap
+from ..common.launch import CompiledLaunch, PreparedLaunch, register_cap
 from . import conventional_kernel
 from .conventional_kernel import _conventional_kernel
 
@@ -215,34 +216,14 @@ def launch(
     _launch(grid, args, constexprs, state.is_cuda)
 
 
-def knows(key) -> bool:
-    """Whether :func:`prepare` has seen ``key`` (prepared, or not preparable)."""
-    return _launch.knows(key)
-
-
-def prepare(key, leading, *args, **kwargs) -> None:
-    """After ``launch(*args, **kwargs)``: keep that launch under ``key`` for
-    :func:`launch_prepared`. ``leading``: the caller's ``(state, state_scale, x, dt, A, B, C, D, z,
-    dt_bias, slot_indices, out, seed, seed_tensor)``, each the tensor given to ``launch`` or one
-    it is a view of at the same address (``launch.CompiledLaunch.prepare`` says what happens
-    otherwise). ``key`` must hold everything ``launch`` reads besides those tensors' addresses
-    and the seed: shapes, strides, dtypes, device and the keyword arguments."""
+def prepare(leading, *args, **kwargs) -> Optional[PreparedLaunch]:
+    """After ``launch(*args, **kwargs)``: that launch prepared for the op's dispatch entry
+    (common/launch.py), or None where it cannot be (``CompiledLaunch.prepare``). ``leading``:
+    what the op's repeat calls pass as the kernel's first arguments, ``(state, state_scale, x,
+    dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed)``, each the tensor given
+    to ``launch`` or one it is a view of at the same address."""
     grid, kernel_args, constexprs = _kernel_call(*args, **kwargs)
-    _launch.prepare(key, grid, kernel_args, constexprs, _kernel_order(*leading), args[0].is_cuda)
-
-
-def launch_prepared(key, state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed,
-                    seed_tensor) -> bool:
-    """The launch kept under ``key`` by :func:`prepare`, with these tensors and seed; False (and
-    nothing launched) if there is none or it does not fit them (``launch.PreparedLaunch``)."""
-    prepared = _launch.prepared(key)
-    return prepared is not None and prepared(
-        state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed)
-
-
-def _kernel_order(state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor):
-    # The kernel takes the seed tensor before the seed.
-    return state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed
+    return _launch.prepare(grid, kernel_args, constexprs, leading, args[0].is_cuda)
 
 
 def _kernel_call(

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..common import codec, gpu, pdl, sizes
-from ..common.launch import CompiledLaunch, register_cap
+from ..common.launch import CompiledLaunch, PreparedLaunches, register_cap
 from .replay_kernels import _replay_flush_kernel, _replay_step_grouped_kernel, _replay_step_kernel
 
 
@@ -179,40 +179,20 @@ def launch_replay_decode(
         launch(grid, args, constexprs, on_gpu)
 
 
-def knows_decode(key) -> bool:
-    """Whether :func:`prepare_decode` has seen ``key`` (prepared, or not preparable)."""
-    return _launch_flush.knows(key)
-
-
-def prepare_decode(key, tensors, *args, **kwargs) -> None:
-    """After ``launch_replay_decode(*args, **kwargs)``: keep its two launches under ``key`` for
-    :func:`launch_decode_prepared`. ``tensors``: the caller's ``(x, dt, A, B, C, D, z, dt_bias,
-    slot_indices, out, checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B,
-    cursor, generation, flush_rows, flush_counters)``, each the tensor given to the launcher or
-    one it is a view of at the same address (``launch.CompiledLaunch.prepare``). ``key`` must
-    hold everything the launcher reads besides those tensors' addresses: their shapes, strides,
-    dtypes and device, the formats, the flag and the seed."""
+def prepare_decode(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
+    """After ``launch_replay_decode(*args, **kwargs)``: its two launches prepared as one for the
+    op's dispatch entry (common/launch.py), or None where they cannot be
+    (``CompiledLaunch.prepare``). ``tensors``: what the op's repeat calls pass, ``(x, dt, A, B,
+    C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read, read_scale, ring_x,
+    ring_dt, ring_B, cursor, generation, flush_rows, flush_counters)``, each the tensor given to
+    the launcher or one it is a view of at the same address."""
     on_gpu = args[0].is_cuda
-    for (launch, grid, launch_args, constexprs), leading in zip(_decode_launches(*args, **kwargs),
-                                                                 _decode_leading(*tensors)):
-        launch.prepare(key, grid, launch_args, constexprs, leading, on_gpu)
-
-
-def launch_decode_prepared(key, *tensors) -> bool:
-    """The two launches kept under ``key`` by :func:`prepare_decode`, with these tensors (the
-    order of ``prepare_decode``'s); False, and nothing launched, unless both fit them."""
-    flush = _launch_flush.prepared(key)
-    if flush is None:
-        return False
-    step = _launch_step_grouped.prepared(key) or _launch_step.prepared(key)
-    if step is None:
-        return False
-    step_leading, flush_leading = _decode_leading(*tensors)
-    if not (step.fits(*step_leading) and flush.fits(*flush_leading)):
-        return False
-    step.launch(*step_leading)
-    flush.launch(*flush_leading)
-    return True
+    launches = [launch.prepare(grid, launch_args, constexprs, leading, on_gpu)
+                for (launch, grid, launch_args, constexprs), leading in zip(_decode_launches(*args, **kwargs),
+                                                                            _decode_leading(*tensors))]
+    if any(launch is None for launch in launches):
+        return None
+    return PreparedLaunches(launches, _decode_leading, tensors)
 
 
 def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,

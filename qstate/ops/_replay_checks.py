@@ -1,6 +1,7 @@
 """Checks shared by the ops over a :class:`~qstate.ReplayCache` (replay decode and speculative
 decoding): ``out``, slot indices, the ring's inputs, and the once-per-signature wrapper of a
-decode or verify call. Errors name the argument, the expected and the actual value."""
+decode or verify call (its dispatch entry). Errors name the argument, the expected and the
+actual value."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
+from ..kernels.common.launch import Dispatch
 from . import _common, _signature
 
 
@@ -73,12 +75,24 @@ def check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
             raise ValueError(f"slot_indices: expected no slot to repeat within one call, got {slot_indices.tolist()}")
 
 
-def cache_layout(cache):
-    """What the checks read of a cache (a fresh object, equal to nothing, for a non-cache)."""
+def cache_layout(cache, launched: bool = False):
+    """What the checks read of a cache (a fresh object, equal to nothing, for a non-cache); with
+    ``launched``, also what the launches read of it besides its tensors' addresses: their
+    metadata, the formats and the seed."""
     if not isinstance(cache, ReplayCache):
         return object()
-    return (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
-            cache.input_dtype, cache.max_draft)
+    layout = (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
+              cache.input_dtype, cache.max_draft)
+    if not launched:
+        return layout
+    return (*layout, *map(_signature.tensor_meta, ring_state(cache)), str(cache.checkpoint_format),
+            None if cache.read_format is None else str(cache.read_format), cache.seed)
+
+
+def ring_state(cache: ReplayCache) -> tuple:
+    """The cache's tensors a replay step reads and writes, in the launchers' order."""
+    return (cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
+            cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters)
 
 
 def check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus) -> None:
@@ -90,14 +104,15 @@ def check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_s
     _common.bool_flag("dt_softplus", dt_softplus)
 
 
-def checked_ring_call(accepted: _signature.AcceptedSignatures, check, cache, x, dt, A, B, C, D, z, dt_bias,
-                      dt_softplus, slot_indices, out):
-    """What a decode or verify call does before its launch: ``check`` (the call's metadata
-    checks, same arguments) once per signature, the slot values every call; returns ``out``
-    (allocated like x when None) and the signature."""
-    signature = (cache_layout(cache), type(dt_softplus), dt_softplus,
+def checked_ring_call(dispatch: Dispatch, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices,
+                      out, launched: bool = False):
+    """What a decode or verify call does before its launch: its entry in ``dispatch`` (``check``,
+    the call's metadata checks with the same arguments, runs once per signature;
+    :func:`cache_layout` with ``launched`` says what of the cache the signature holds), the slot
+    values every call; returns ``out`` (allocated like x when None) and the entry."""
+    signature = (cache_layout(cache, launched), type(dt_softplus), dt_softplus,
                  *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
-    accepted.check_once(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
+    entry = dispatch.entry(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
     if slot_indices is not None:
         check_slot_values(slot_indices, cache)
-    return (out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)), signature
+    return (out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)), entry

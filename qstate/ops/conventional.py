@@ -10,6 +10,7 @@ import torch
 
 from .. import _validate
 from ..cache import SEED_LIMIT
+from ..kernels.common.launch import Dispatch
 from ..kernels.mamba2 import conventional as _kernel
 from . import _common, _signature
 from ._register import eager, mutating_op
@@ -40,7 +41,7 @@ def _selective_state_update_impl(
 
 
 _selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl, ("state", "state_scale", "out"))
-_ACCEPTED = _signature.AcceptedSignatures()
+_DISPATCH = Dispatch(_OP_NAME)
 
 
 def _resolve_seed(seed, consts, device):
@@ -147,24 +148,24 @@ def selective_state_update(
     slot's state may become NaN, inf or saturated codes (with scales of no use); no other slot
     is read or written. Returns ``out`` (allocated like ``x`` when None).
     """
+    # The signature (a tensor seed by its dtype: another kernel) fixes every argument of the launch
+    # but the tensors' addresses and the seed (kernels/README.md#dispatch).
     signature = (state_format, type(dt_softplus), dt_softplus, type(pad_slot_id), pad_slot_id,
+                 seed.dtype if isinstance(seed, torch.Tensor) else None,
                  *map(_signature.tensor_meta, (state, state_scale, x, dt, A, B, C, D, z, dt_bias,
                                                state_batch_indices, out)))
-    _ACCEPTED.check_once(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                         state_batch_indices, state_scale, state_format, pad_slot_id, out)
+    entry = _DISPATCH.entry(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                            state_batch_indices, state_scale, state_format, pad_slot_id, out)
     consts = _common.resolve_format(state_format, state)
     if state_batch_indices is not None:
         _common.check_slot_values(state_batch_indices, state.shape[0], pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
     seed_value, seed_tensor = _resolve_seed(seed, consts, state.device)
-    # The signature, with the seed tensor's dtype (a tensor seed is another kernel), fixes every
-    # argument of the launch but the tensors' addresses and the seed: an eager repeat on a GPU
-    # launches directly (kernels/launch.py, PreparedLaunch).
-    key = (signature, None if seed_tensor is None else seed_tensor.dtype)
-    given = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, seed_value, seed_tensor)
+    # In the kernel's order: the seed tensor before the seed.
+    given = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, seed_tensor, seed_value)
     run_eagerly = eager(state)
-    if run_eagerly and _kernel.launch_prepared(key, *given):
+    if run_eagerly and entry.launch(*given):
         return out
     compact_dt, compact_A, compact_D, compact_dt_bias = _common.compact_decode_args(x, dt, A, D, dt_bias)
     compact_A, compact_D, compact_dt_bias = (_common.per_head_vector(n, t) for n, t in
@@ -172,7 +173,7 @@ def selective_state_update(
     args = (state, state_scale, x, compact_dt, compact_A, B, C, compact_D, z, compact_dt_bias, dt_softplus,
             state_batch_indices, out, str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
     _selective_state_update_op(*args)
-    if run_eagerly and not _kernel.knows(key):
+    if run_eagerly and entry.unprepared:
         launch_args, launch_kwargs = _launch_arguments(*args)
-        _kernel.prepare(key, given, *launch_args, **launch_kwargs)
+        entry.keep(_kernel.prepare(given, *launch_args, **launch_kwargs))
     return out

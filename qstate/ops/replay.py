@@ -16,8 +16,9 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
+from ..kernels.common.launch import Dispatch
 from ..kernels.mamba2 import replay as _kernel
-from . import _common, _replay_checks, _signature
+from . import _common, _replay_checks
 from ._register import eager, mutating_op
 
 __all__ = ["replay_decode"]
@@ -51,7 +52,7 @@ def _launch_arguments(*op_args):
 
 
 _replay_decode_op = mutating_op("qstate::replay_decode", _replay_decode_impl, _MUTATED)
-_ACCEPTED = _signature.AcceptedSignatures()
+_DISPATCH = Dispatch("qstate::replay_decode")
 
 
 def _check_decode_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out) -> None:
@@ -126,27 +127,23 @@ def replay_decode(
     read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
     ``y (batch, nheads, headdim)`` (``out`` if given).
     """
-    out, signature = _replay_checks.checked_ring_call(_ACCEPTED, _check_decode_args, cache, x, dt, A, B, C, D, z,
-                                                      dt_bias, dt_softplus, slot_indices, out)
+    # The signature holds the cache's tensors' metadata, formats and seed: with the call's, every
+    # argument of the two launches but the tensors' addresses (kernels/README.md#dispatch).
+    out, entry = _replay_checks.checked_ring_call(_DISPATCH, _check_decode_args, cache, x, dt, A, B, C, D, z,
+                                                  dt_bias, dt_softplus, slot_indices, out, launched=True)
     if x.shape[0] == 0:
         return out
-    state = (cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
-             cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters)
-    formats = (str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format))
-    # The call's signature, the cache's tensors' metadata, its formats and seed fix every
-    # argument of the two launches but the tensors' addresses: an eager repeat on a GPU launches
-    # directly (kernels/launch.py, PreparedLaunch).
+    state = _replay_checks.ring_state(cache)
+    tensors = (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, *state)
     run_eagerly = eager(x)
-    if run_eagerly:
-        key = (signature, *map(_signature.tensor_meta, state), *formats, cache.seed)
-        tensors = (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, *state)
-        if _kernel.launch_decode_prepared(key, *tensors):
-            return out
+    if run_eagerly and entry.launch(*tensors):
+        return out
+    formats = (str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format))
     compact_dt, compact_A, compact_D, compact_dt_bias = _common.unit_stride_params(dt, A, D, dt_bias)
     args = (x, compact_dt, compact_A, B, C, compact_D, z, compact_dt_bias, dt_softplus, slot_indices, out, *state,
             *formats, cache.seed)
     _replay_decode_op(*args)
-    if run_eagerly and not _kernel.knows_decode(key):
+    if run_eagerly and entry.unprepared:
         launch_args, launch_kwargs = _launch_arguments(*args)
-        _kernel.prepare_decode(key, tensors, *launch_args, **launch_kwargs)
+        entry.keep(_kernel.prepare_decode(tensors, *launch_args, **launch_kwargs))
     return out

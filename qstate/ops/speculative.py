@@ -22,7 +22,8 @@ import torch
 
 from .. import _validate
 from ..cache import ReplayCache
-from . import _common, _replay_checks, _signature
+from ..kernels.common.launch import Dispatch
+from . import _common, _replay_checks
 from ._register import mutating_op
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
@@ -167,7 +168,8 @@ def _check_verify_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_i
         _replay_checks.check_out(out, x, "(batch, T, nheads, headdim)")
 
 
-_VERIFY_ACCEPTED = _signature.AcceptedSignatures()
+# Checks once per signature; a verify's launches are not prepared (each call allocates its B·C buffer).
+_VERIFY_DISPATCH = Dispatch("qstate::replay_verify")
 
 
 def replay_verify(
@@ -201,7 +203,7 @@ def replay_verify(
     verify must be followed by a :func:`replay_commit` of the same slots (a second verify
     replaces the pending drafts). Returns ``out``.
     """
-    out, _ = _replay_checks.checked_ring_call(_VERIFY_ACCEPTED, _check_verify_args, cache, x, dt, A, B, C, D, z,
+    out, _ = _replay_checks.checked_ring_call(_VERIFY_DISPATCH, _check_verify_args, cache, x, dt, A, B, C, D, z,
                                               dt_bias, dt_softplus, slot_indices, out)
     if x.shape[0] == 0:
         return out

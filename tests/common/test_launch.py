@@ -138,18 +138,18 @@ def test_register_caps_apply_to_gpu_launches_only():
     assert launch.register_cap(128, torch.device("cuda")) == {"maxnreg": 128}
 
 
-def _prepared_run(kernel):
+def _prepared(kernel, leading=lambda args: args, on_gpu=True):
+    """A first call's launch and that launch prepared (``leading(args)``: what the repeats pass)."""
     run = launch.CompiledLaunch(kernel, volatile=("seed",))
     args = _args()
-    run((3, 1), args, CONSTEXPRS, on_gpu=True)
-    run.prepare("key", (3, 1), args, CONSTEXPRS, args, on_gpu=True)
-    return run
+    run((3, 1), args, CONSTEXPRS, on_gpu=on_gpu)
+    return run.prepare((3, 1), args, CONSTEXPRS, leading(args), on_gpu=on_gpu)
 
 
 def test_a_prepared_launch_puts_the_call_arguments_before_the_bound_ones(kernel):
-    run = _prepared_run(kernel)
+    prepared = _prepared(kernel)
     a, b = torch.ones(8), torch.ones(8, dtype=torch.int32)
-    assert run.prepared("key")(a, b, 64, 9)
+    assert prepared(a, b, 64, 9)
     assert kernel.log[-1] == ("compiled", (3, 1, 1), (a, b, 64, 9, 32, True))
     assert len(kernel.log) == 2  # the first call's bind, then the prepared launch: no bind
 
@@ -159,45 +159,89 @@ def test_a_view_at_the_same_address_may_stand_for_its_argument(kernel):
     a = torch.zeros(8)
     args = _args(a=a.view(torch.int32))  # what a launcher passes for a state in its storage dtype
     run((3, 1), args, CONSTEXPRS, on_gpu=True)
-    run.prepare("key", (3, 1), args, CONSTEXPRS, (a, *args[1:]), on_gpu=True)
-    assert run.prepared("key") is not None
+    assert run.prepare((3, 1), args, CONSTEXPRS, (a, *args[1:]), on_gpu=True) is not None
 
 
 @pytest.mark.parametrize("change", ["alignment", "volatile type"])
 def test_a_prepared_launch_refuses_what_triton_would_compile_again(kernel, change):
-    run = _prepared_run(kernel)
+    prepared = _prepared(kernel)
     a, b, n, seed = _args()
     if change == "alignment":
         b = torch.zeros(9, dtype=torch.int32)[1:]
     else:
         seed = 2**31
-    assert not run.prepared("key")(a, b, n, seed)
+    assert not prepared(a, b, n, seed)
     assert len(kernel.log) == 1  # nothing launched
 
 
-def test_a_copy_made_for_the_launch_is_not_prepared(kernel):
-    run = launch.CompiledLaunch(kernel, volatile=("seed",))
-    args = _args()
-    run((3, 1), args, CONSTEXPRS, on_gpu=True)
-    run.prepare("key", (3, 1), args, CONSTEXPRS, (args[0].clone(), *args[1:]), on_gpu=True)
-    assert run.knows("key") and run.prepared("key") is None
+def test_copies_and_uncompiled_launches_are_not_prepared(kernel):
+    assert _prepared(kernel, leading=lambda args: (args[0].clone(), *args[1:])) is None  # a copy made for the launch
+    assert _prepared(kernel, on_gpu=False) is None  # the interpreter
 
 
-def test_uncompiled_launches_are_never_prepared(kernel):
-    run = launch.CompiledLaunch(kernel, volatile=("seed",))
-    args = _args()
-    run((3, 1), args, CONSTEXPRS, on_gpu=False)
-    run.prepare("key", (3, 1), args, CONSTEXPRS, args, on_gpu=False)
-    assert run.knows("key") and run.prepared("key") is None
+def test_prepared_launches_launch_all_or_nothing(kernel):
+    """Two launches made as one from the op's tensors: a tensor at another alignment refuses
+    both; a volatile leading integer cannot be among them."""
+    a, b = _args()[:2]  # 16-byte aligned, as the prepared calls' tensors
+    both = launch.PreparedLaunches([_prepared(kernel, leading=lambda args: args[:2]) for _ in range(2)],
+                                   lambda a, b: ((a, b), (b, b)), (a, b))
+    c, d = torch.ones(8), torch.ones(8, dtype=torch.int32)
+    assert both(c, d)
+    assert [entry[2][:2] for entry in kernel.log[2:]] == [(c, d), (d, d)]
+    assert not both(c, torch.zeros(9, dtype=torch.int32)[1:])
+    assert len(kernel.log) == 4
+    with pytest.raises(ValueError, match="volatile"):
+        launch.PreparedLaunches([_prepared(kernel)], lambda *t: (t,), _args())
 
 
-def test_prepared_launches_follow_enabled_and_clear(kernel, monkeypatch):
-    run = _prepared_run(kernel)
+def _dispatch_call(dispatch, checks, signature, kernel):
+    """An op's call: its entry, the prepared launch on a hit, else the launch, then prepared."""
+    entry = dispatch.entry(signature, checks.append, signature)
+    if entry.launch(*_args()):
+        return "prepared"
+    if entry.unprepared:
+        entry.keep(_prepared(kernel))
+    return "full"
+
+
+def test_one_dispatch_entry_per_signature(kernel):
+    dispatch, checks = launch.Dispatch("test::op"), []
+    calls = [_dispatch_call(dispatch, checks, signature, kernel) for signature in ("a", "a", "a", "b", "a")]
+    assert calls == ["full", "prepared", "prepared", "full", "prepared"]
+    assert checks == ["a", "b"] and len(dispatch) == 2
+    assert dispatch.entry("a", checks.append, "a") is dispatch.entry("a", checks.append, "a")
+
+
+def test_a_failed_check_keeps_no_entry_and_raises_every_call():
+    dispatch = launch.Dispatch("test::op")
+
+    def check(value):
+        raise ValueError(f"value: expected something else, got {value}")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="value: expected something else, got 3"):
+            dispatch.entry(("sig", 3), check, 3)
+    assert len(dispatch) == 0
+    checks = []
+    dispatch.entry(("unhashable", []), checks.append, 1)
+    dispatch.entry(("unhashable", []), checks.append, 2)
+    assert checks == [1, 2] and len(dispatch) == 0
+
+
+def test_an_entry_that_cannot_be_prepared_takes_the_full_path(kernel):
+    entry = launch.Dispatch("test::op").entry("a", lambda: None)
+    entry.keep(None)
+    assert not entry.unprepared and not entry.launch(*_args())
+
+
+def test_dispatch_follows_enabled_and_clear(kernel, monkeypatch):
+    dispatch = launch.Dispatch("test::op")
+    entry = dispatch.entry("a", lambda: None)
+    entry.keep(_prepared(kernel))
     monkeypatch.setattr(launch, "ENABLED", False)
-    assert run.prepared("key") is None
-    run.prepare("other", (3, 1), _args(), CONSTEXPRS, _args(), on_gpu=True)
-    assert not run.knows("other")
+    assert not entry.launch(*_args())
+    assert not dispatch.entry("b", lambda: None).unprepared
     monkeypatch.setattr(launch, "ENABLED", True)
-    assert run.prepared("key") is not None
-    run.clear()
-    assert not run.knows("key")
+    assert entry.launch(*_args())
+    launch.clear_dispatches()
+    assert len(dispatch) == 0
