@@ -11,6 +11,7 @@ import torch
 from ..cache import SEED_LIMIT
 from ..kernels.common import codec
 from ..kernels.gated_delta import conventional as _kernel
+from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks, _signature
 from ._register import eager, mutating_op
 
@@ -31,7 +32,7 @@ def _gated_delta_update_impl(
 
 
 _gated_delta_update_op = mutating_op(_OP_NAME, _gated_delta_update_impl, ("state", "state_scale", "out"))
-_ACCEPTED = _signature.AcceptedSignatures()
+_DISPATCH = Dispatch(_OP_NAME)
 
 
 def _resolve_seed(seed, stochastic: bool, device):
@@ -132,8 +133,8 @@ def gated_delta_update(
     """
     signature = (state_format, type(scale), scale, type(use_qk_l2norm), use_qk_l2norm, type(pad_slot_id),
                  pad_slot_id, *map(_signature.tensor_meta, (state, state_scale, q, k, v, g, beta, state_indices, out)))
-    _ACCEPTED.check_once(signature, _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices,
-                         state_scale, state_format, pad_slot_id, out)
+    _DISPATCH.entry(signature, _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices,
+                    state_scale, state_format, pad_slot_id, out)
     consts = _common.resolve_format(state_format, state)
     if state_indices is not None:
         _check_index_values(state_indices, state.shape[0], pad_slot_id)

@@ -10,6 +10,7 @@ import torch
 
 from ..gated_delta_cache import GatedDeltaReplayCache
 from ..kernels.gated_delta import replay as _kernel
+from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks, _signature
 from ._register import mutating_op
 
@@ -44,7 +45,7 @@ def _gated_delta_replay_impl(
 _gated_delta_replay_op = mutating_op(
     _OP_NAME, _gated_delta_replay_impl,
     ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor"))
-_ACCEPTED = _signature.AcceptedSignatures()
+_DISPATCH = Dispatch(_OP_NAME)
 
 
 def _check_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out) -> None:
@@ -132,7 +133,7 @@ def gated_delta_replay(
                  *map(_signature.tensor_meta, (q, k, v, g, beta, slot_indices, out)),
                  *(() if not isinstance(cache, GatedDeltaReplayCache) else
                    tuple(map(_signature.tensor_meta, cache.tensors().values()))))
-    _ACCEPTED.check_once(signature, _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
+    _DISPATCH.entry(signature, _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     if slot_indices is not None:
         _check_index_values(slot_indices, cache.num_slots)
     _gated_delta_checks.check_values(g, beta)
