@@ -54,6 +54,7 @@ import math
 from typing import Optional
 
 import numpy as np
+import torch
 
 from .schemes import Scheme
 from .theory import UNBIASED_MARGIN, rounding_rms
@@ -113,7 +114,7 @@ def head_parameters(profile, heads, seed: int = 0) -> list[DeltaHead]:
     g = inp.g.double()
     if g.dim() == 3:
         g = g[..., None]
-    alpha2 = np.exp(2.0 * g).mean(axis=(0, 1)).numpy()  # [heads, channels]
+    alpha2 = torch.exp(2.0 * g).mean(dim=(0, 1)).numpy()  # [heads, channels]
     beta = inp.beta.double()
     b1, b2 = beta.mean(dim=(0, 1)).numpy(), beta.square().mean(dim=(0, 1)).numpy()
     return [DeltaHead(alpha2[h], float(b1[h]), float(b2[h]), profile.head_k_dim) for h in range(len(heads))]
