@@ -6,7 +6,7 @@ shapes; the delta-rule rows a GDN layer (Qwen3.5-9B) and a KDA layer (Kimi-Linea
 sampling the inputs, the exact fp64 recurrence, recording errors (every 64 steps). Multi-scheme runs
 (the demo set, the chooser's 72 candidates) count the element-steps of all their schemes.
 
-    python bench/drift_speed.py [--threads 2] [--steps 512] [--out bench/results]
+    python bench/drift_speed.py [--threads 2] [--steps 512] [--family mamba2|gated_delta] [--out bench/results]
 
 Writes ``drift_speed.json`` under ``--out`` and prints a markdown table (paste it into
 bench/README.md with the date, machine and command); exits 1 when a case misses the target, at
@@ -59,23 +59,28 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--family", choices=("mamba2", "gated_delta"), default=None,
+                        help="only the rows of one layer family (default: both)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    for scheme in SINGLE:
-        rows.append({"case": scheme, **measure([scheme], args.steps, args.heads, args.batch)})
-    rows.append({"case": f"demo set ({len(DEFAULT_SCHEMES)} schemes)",
-                 **measure(list(DEFAULT_SCHEMES), args.steps, args.heads, args.batch)})
-    rows.append({"case": "chooser candidates (72 schemes, 8 heads, batch 1)",
-                 **measure(candidate_schemes(), args.steps // 2, 8, 1)})
-    # Delta-rule heads hold K × V = 16384 elements (Nemotron-H's 8192): half the heads, same state size.
-    delta_heads = max(1, args.heads // 2)
-    for model, scheme in DELTA_SINGLE:
-        rows.append({"case": f"{model}: {scheme}", **measure([scheme], args.steps, delta_heads, args.batch, model)})
-    rows.append({"case": f"qwen3.5-9b: delta demo set ({len(DELTA_DEFAULT_SCHEMES)} schemes)",
-                 **measure(list(DELTA_DEFAULT_SCHEMES), args.steps, delta_heads, args.batch, "qwen3.5-9b")})
+    if args.family in (None, "mamba2"):
+        for scheme in SINGLE:
+            rows.append({"case": scheme, **measure([scheme], args.steps, args.heads, args.batch)})
+        rows.append({"case": f"demo set ({len(DEFAULT_SCHEMES)} schemes)",
+                     **measure(list(DEFAULT_SCHEMES), args.steps, args.heads, args.batch)})
+        rows.append({"case": "chooser candidates (72 schemes, 8 heads, batch 1)",
+                     **measure(candidate_schemes(), args.steps // 2, 8, 1)})
+    if args.family in (None, "gated_delta"):
+        # Delta-rule heads hold K × V = 16384 elements (Nemotron-H's 8192): half the heads, same state size.
+        delta_heads = max(1, args.heads // 2)
+        for model, scheme in DELTA_SINGLE:
+            rows.append({"case": f"{model}: {scheme}", **measure([scheme], args.steps, delta_heads, args.batch,
+                                                                 model)})
+        rows.append({"case": f"qwen3.5-9b: delta demo set ({len(DELTA_DEFAULT_SCHEMES)} schemes)",
+                     **measure(list(DELTA_DEFAULT_SCHEMES), args.steps, delta_heads, args.batch, "qwen3.5-9b")})
     record = {
         "date": datetime.date.today().isoformat(), "commit": _commit(), "machine": platform.processor() or
         platform.machine(), "cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
