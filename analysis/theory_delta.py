@@ -166,16 +166,17 @@ def _replay(head: DeltaHead, scheme: Scheme, steps: int, K: int, V: int) -> Delt
     if scheme.ring == "corrected":
         c_L = head.alpha2 ** L * (1.0 + (1.0 - head.touched) ** L - 2.0 * (1.0 - head.beta_mean / K) ** L)
         leak = np.maximum(c_L, 0.0) * r_rd2
-    inject = r_ck2 + leak
     ck = np.zeros((C, len(flushes) + 1))  # before any flush, then after each
     for m, step in enumerate(flushes):
-        ck[:, m + 1] = rho2 ** L * ck[:, m] + inject * var[:, step - 1]
+        # The leak comes from the read copy of the previous flush (the first reads Q(state0) = 0).
+        read_var = var[:, step - L - 1] if m else np.zeros(C)
+        ck[:, m + 1] = rho2 ** L * ck[:, m] + r_ck2 * var[:, step - 1] + leak * read_var
     last = (t - 1) // L  # flushes before the output of step t
     k = t - last * L
     c = last * L
     var_c = np.where(c > 0, var[:, np.maximum(c, 1) - 1], 0.0)
     read = np.where(k == L, 0.0, r_rd2 * var_c)
-    read = read + np.where(k == L, leak[:, None] * var, 0.0)  # the flushing token's fold carries the leak
+    read = read + np.where(k == L, leak[:, None] * var_c, 0.0)  # the flushing token's fold carries the leak
     carry = rho2[:, None] ** k  # [C, T]
     out = _pool(carry * (ck[:, last] + read), var)
     state = _pool(carry * ck[:, last], var)
