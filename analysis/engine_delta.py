@@ -110,9 +110,7 @@ class DeltaNaive:
             self._store(j, self.codes[j])
 
     def _store(self, j: int, codes: Optional[torch.Tensor]) -> None:
-        out = roundtrip_(self.state[j], self.schemes[j].fmt, self.generators[j], codes_out=codes)
-        if out.data_ptr() != self.state[j].data_ptr():
-            self.state[j].copy_(out)
+        roundtrip_(self.state[j], self.schemes[j].fmt, self.generators[j], codes_out=codes)  # in place
 
     def step(self, s: DeltaStepInputs, i: int, keep_codes: bool) -> torch.Tensor:
         """Outputs ``[k, batch, HV, V]``; ``keep_codes`` as :class:`analysis.engine.Conventional`."""
