@@ -11,7 +11,8 @@ Both layer families work: Mamba-2 models and gated delta rule models (GDN, KDA);
 lists them. Scheme strings: ``<format>`` (conventional, or "naive" for the delta rule) or
 ``replay/<checkpoint>[/<read>]/<ring_len>[/<ring>]``, ``<ring>`` being the delta rule's ring kind
 (``inputs``, the default, or ``corrected``). Defaults by family: Mamba-2 runs 8192 steps of 16
-heads; a delta-rule run 4096 steps of 8 heads (a delta-rule head holds ``K × V`` = 16384 elements).
+heads, recorded every ``steps / 512``; a delta-rule run 4096 steps of 8 heads (a head holds
+``K × V`` = 16384 elements), recorded every ``steps / 128``.
 
 ``drift`` checks ``--out`` (a folder it can write, holding no earlier report unless ``--force``)
 before simulating, prints the summary and writes the markdown and JSON before the figure; the
@@ -180,9 +181,9 @@ def _drift(args) -> int:
         raise ValueError(f"argument {given[0]}: expected only with --hf-model (the simulation does not use it), "
                          f"got no --hf-model")
     profile = _profile(args)
-    steps, heads = _DRIFT_DEFAULTS[profile.family]
+    steps, heads, records = _DRIFT_DEFAULTS[profile.family]
     steps = getattr(args, "steps", steps)
-    every = getattr(args, "every", max(1, steps // 512))
+    every = getattr(args, "every", max(1, steps // records))
     schemes = parse_schemes(",".join(default_schemes(profile)) if args.schemes is None else args.schemes)
     _prepare_out(args.out, args.force, _REPORT_FILES)
     result = simulate(profile, schemes, steps, batch=args.batch, heads=getattr(args, "heads", heads), seed=args.seed,
@@ -196,8 +197,9 @@ def _drift(args) -> int:
     return 0
 
 
-# (steps, heads) of a simulated drift run by layer family, when not given.
-_DRIFT_DEFAULTS = {"mamba2": (8192, 16), "gated_delta": (4096, 8)}
+# (steps, heads, records) of a simulated drift run by layer family, when not given. A delta-rule
+# record costs a pass over every scheme's state, several times a step's work: fewer of them.
+_DRIFT_DEFAULTS = {"mamba2": (8192, 16, 512), "gated_delta": (4096, 8, 128)}
 
 
 def _choose(args) -> int:
@@ -252,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="number of heads spanning the decay range, 'all', or comma-separated indices "
                        "(default: 16 Mamba-2, 8 delta rule)")
     drift.add_argument("--every", type=_count, default=argparse.SUPPRESS,
-                       help="record every N steps (default: steps / 512)")
+                       help="record every N steps (default: steps / 512 Mamba-2, steps / 128 delta rule)")
     drift.add_argument("--out", type=_folder, default="report",
                        help="output folder (report.md, drift.json, drift.png); one holding a report is refused")
     drift.add_argument("--force", action="store_true", help="overwrite a report already in --out")
