@@ -54,7 +54,7 @@ def _reason(row: dict, result: DriftResult, j: int, tolerance: float) -> str:
     step = int(result.recorded_steps[over[0]]) if len(over) else None
     text = f"p99 error {row['p99_error']:.3g} ≥ tolerance {tolerance:g}"
     if step is not None:
-        text += f" (a head first over at step {step})"
+        text += f" (first recorded step with a head over: {step})"
     if row["stagnated_fraction"]:
         text += f"; {row['stagnated_fraction']:.0%} of heads stagnate"
     return text
@@ -76,8 +76,10 @@ def recommend(
 ) -> Recommendation:
     """Simulate ``candidates`` (default :func:`candidate_schemes`, 72 schemes) for ``steps`` tokens on
     ``heads`` heads spanning the decay range, keep those whose ``p99_error`` (the p99 over heads of
-    each head's largest output error over the recorded steps) is under ``tolerance``, and return the
-    cheapest by ``objective`` ("traffic": bytes per step; "memory": bytes held)."""
+    each head's largest output error over every step, so every position of a replay ring's cycle
+    counts) is under ``tolerance``, and return the cheapest by ``objective`` ("traffic": bytes per
+    step; "memory": bytes held). ``steps`` must hold one whole cycle of every ring length
+    (:func:`qstate.analysis.drift.measurement_cycle`: 32 for the default candidates)."""
     tolerance = _check_tolerance(tolerance)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: expected one of {sorted(OBJECTIVES)}, got {objective!r}")

@@ -8,8 +8,8 @@ Simulates ``int8:row``, ``fp8_e4m3:row`` (naive) and ``replay/fp32/fp8_e4m3:row/
 * each naive scheme's output error at the last step (rms over heads), and its ratio to the replay
   error over the last whole ring cycle (rms over heads and the cycle's steps, so that the flushing
   token, which reads no read copy, weighs as one step of the cycle);
-* the replay's growth exponent (slope of log error against log step over the second half, from
-  per-cycle rms errors);
+* the replay's growth exponent, as ``qstate drift`` reports it (from the per-cycle RMS errors over
+  the second half: :meth:`analysis.drift.DriftResult.measures`);
 * the checkpoint error (rms over heads) after the first flush, after 8 flushes and at the end, per
   ring kind.
 """
@@ -33,18 +33,6 @@ CORRECTED = "replay/fp32/fp8_e4m3:row/16/corrected"
 RING = 16
 
 
-def _cycle_rms(err: np.ndarray) -> np.ndarray:
-    """Per whole ring cycle: rms over its steps and the heads (``err [steps, heads]``)."""
-    cycles = err.shape[0] // RING
-    return np.sqrt(np.mean(err[: cycles * RING].reshape(cycles, -1) ** 2, axis=1))
-
-
-def _growth(cycle: np.ndarray) -> float:
-    ends = np.arange(1, len(cycle) + 1) * RING
-    half = ends >= ends[-1] / 2
-    return float(np.polyfit(np.log(ends[half]), np.log(cycle[half]), 1)[0])
-
-
 def measure(model: str, steps: int = 4096, heads: int = 8, batch: int = 2, seed: int = 0) -> dict:
     """The numbers above, as a dict (``steps`` a multiple of the ring length, 16)."""
     if steps % RING or steps < 16 * RING:
@@ -52,12 +40,13 @@ def measure(model: str, steps: int = 4096, heads: int = 8, batch: int = 2, seed:
     schemes = [*NAIVE, INPUTS, CORRECTED]
     r = simulate(model, schemes, steps, batch=batch, heads=heads, seed=seed, every=1)
     rms = {s: np.sqrt(np.mean(r.output_error[j] ** 2, axis=1)) for j, s in enumerate(schemes)}
-    replay_cycle = _cycle_rms(r.output_error[schemes.index(INPUTS)])
+    replay = schemes.index(INPUTS)
     out = {"model": model, "steps": steps, "heads": r.heads, "decay": r.decay, "batch": batch, "seed": seed,
-           "replay_last_cycle_error": float(replay_cycle[-1]), "replay_growth_exponent": _growth(replay_cycle)}
+           "replay_last_cycle_error": float(r.cycle_curve(replay)[-1]),
+           "replay_growth_exponent": r.summary()[replay]["growth_exponent"]}
     for s in NAIVE:
         out[f"{s}_last_step_error"] = float(rms[s][-1])
-        out[f"{s}_ratio"] = float(rms[s][-1] / replay_cycle[-1])
+        out[f"{s}_ratio"] = out[f"{s}_last_step_error"] / out["replay_last_cycle_error"]
     for s in (INPUTS, CORRECTED):
         ck = r.checkpoint_curve(schemes.index(s))
         out[f"{s}_checkpoint_error"] = {"flush 1": float(ck[RING - 1]), "flush 8": float(ck[8 * RING - 1]),

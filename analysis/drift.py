@@ -2,7 +2,11 @@
 
 Measures (per scheme, recorded step and head; definitions in ``analysis/README.md``):
 
-* output error ``‖y − y_ref‖ / ‖y_ref‖`` (norms over batch × headdim);
+* output error ``‖y − y_ref‖ / ‖y_ref‖`` (norms over batch × headdim), at the recorded steps;
+* cycle error: each head's RMS output error over every step of a measurement cycle (``cycle``
+  steps, whole ring cycles of every replay scheme: :func:`measurement_cycle`). A replay output's
+  error depends on where the step stands in its ring's cycle (the flushing token reads no read
+  copy), so every summary figure and curve of the run covers whole cycles;
 * state error ``‖S − S_ref‖ / ‖S_ref‖`` (over batch × headdim × dstate; for replay the state the
   checkpoint and ring stand for);
 * stalled fraction: the share of stored elements whose code (the grid value before the scale
@@ -35,9 +39,11 @@ from qstate.reference import process_dt
 from .engine import Conventional, Exact, ReplayGroup, StepInputs
 from .schemes import parse_schemes
 
-__all__ = ["simulate", "DriftResult", "Summary", "STAGNATION_THRESHOLD"]
+__all__ = ["simulate", "measurement_cycle", "OutputErrors", "DriftResult", "Summary", "STAGNATION_THRESHOLD",
+           "DEFAULT_CYCLE"]
 
 STAGNATION_THRESHOLD = 0.5
+DEFAULT_CYCLE = 16  # the measurement cycle of a run without replay schemes: the default ring length
 _CHUNK_ELEMENTS = 1 << 22  # doubles of x drawn per input chunk (all heads of the model)
 
 
@@ -78,6 +84,53 @@ def _recorded_steps(steps: int, every: int) -> list[int]:
     if not recorded or recorded[-1] != steps:
         recorded.append(steps)
     return recorded
+
+
+def measurement_cycle(schemes, steps: int) -> int:
+    """Steps in one measurement cycle of a run: the least common multiple of its replay schemes'
+    ring lengths, so that any ``cycle`` consecutive steps hold every position of every ring's cycle
+    equally often; every scheme of the run, conventional ones included, is measured over the same
+    cycles. A run without replay schemes uses ``min(DEFAULT_CYCLE, steps)``."""
+    _validate.positive_int("steps", steps)
+    rings = sorted({s.ring_len for s in parse_schemes(schemes) if s.is_replay})
+    if not rings:
+        return min(DEFAULT_CYCLE, steps)
+    cycle = math.lcm(*rings)
+    if cycle > steps:
+        whole = (f"one whole cycle of the ring of {cycle}" if len(rings) == 1 else
+                 f"one whole cycle of every ring length: the least common multiple of {', '.join(map(str, rings))}")
+        raise ValueError(f"steps: expected at least {cycle} ({whole}), got {steps}")
+    return cycle
+
+
+class OutputErrors:
+    """The per-step measures every step feeds: each head's RMS output error over each measurement
+    cycle (cycles end at the last step: steps ``skip+1 … skip+cycle``, … with ``skip = steps mod
+    cycle``; the first ``skip`` steps fall in none) and its largest output error over every step."""
+
+    def __init__(self, nschemes: int, nheads: int, steps: int, cycle: int, device) -> None:
+        self.cycle, self.skip = cycle, steps % cycle
+        self.cycle_error = np.full((nschemes, steps // cycle, nheads), np.nan)
+        self._cycle_sq = torch.zeros((nschemes, nheads), dtype=torch.float64, device=device)
+        self._peak_sq = torch.zeros((nschemes, nheads), dtype=torch.float64, device=device)
+
+    def add(self, t: int, err_sq: torch.Tensor) -> None:
+        """Step ``t`` (1-based): ``err_sq [schemes, heads]``, the squared relative output error."""
+        torch.maximum(self._peak_sq, err_sq, out=self._peak_sq)
+        if t > self.skip:
+            self._cycle_sq += err_sq
+            if (t - self.skip) % self.cycle == 0:
+                rms = (self._cycle_sq / self.cycle).sqrt()
+                self.cycle_error[:, (t - self.skip) // self.cycle - 1] = rms.cpu().numpy()
+                self._cycle_sq.zero_()
+
+    def finish(self, failed) -> tuple[np.ndarray, np.ndarray]:
+        """``(cycle_error [schemes, cycles, heads], peak_error [schemes, heads])``, NaN for the
+        schemes (indices) in ``failed``."""
+        peak = self._peak_sq.sqrt().cpu().numpy()
+        for j in failed:
+            self.cycle_error[j], peak[j] = np.nan, np.nan
+        return self.cycle_error, peak
 
 
 def _progress(total: int, enabled: Optional[bool]):
@@ -136,6 +189,7 @@ def simulate(
                          f"the inputs, got {corrected[0]!r} for {profile.name}")
     _validate.positive_int("steps", steps)
     _validate.positive_int("every", every)
+    cycle = measurement_cycle(scheme_list, steps)
     device = torch.device(device)
     if inputs is not None:
         if not isinstance(inputs, _profiles.DecodeInputs):
@@ -157,6 +211,7 @@ def simulate(
     out_err = np.full((ns, nrec, nh), np.nan)
     state_err = np.full((ns, nrec, nh), np.nan)
     stalled = np.full((ns, nrec, nh), np.nan)
+    errors = OutputErrors(ns, nh, steps, cycle, device)
     failed_at: dict[int, int] = {}
 
     conv_idx = [j for j, s in enumerate(scheme_list) if not s.is_replay]
@@ -203,10 +258,10 @@ def simulate(
             if bool(bad.any()):
                 for j in bad.nonzero().flatten().tolist():
                     failed_at.setdefault(j, t)
+            err_sq = (y_all - y_ref).square().sum(dim=(1, 3)) / y_ref.square().sum(dim=(0, 2))
+            errors.add(t, err_sq)
             if r is not None:
-                ref_norm = y_ref.square().sum(dim=(0, 2)).sqrt()
-                err = (y_all - y_ref).square().sum(dim=(1, 3)).sqrt() / ref_norm
-                out_err[:, r] = err.cpu().numpy()
+                out_err[:, r] = err_sq.sqrt().cpu().numpy()
                 exact_norm = exact.state.square().sum(dim=(0, 2, 3)).sqrt()
                 for j, c in conv.items():
                     state_err[j, r] = (c.state_error_sq(exact.state).sqrt() / exact_norm).cpu().numpy()
@@ -223,11 +278,13 @@ def simulate(
     elapsed = time.perf_counter() - start_time
     for j, step in failed_at.items():
         out_err[j], state_err[j], stalled[j] = np.nan, np.nan, np.nan
+    cycle_err, peak = errors.finish(failed_at)
     elements = batch * nh * profile.headdim * profile.dstate
     return DriftResult(
         profile=profile, schemes=scheme_list, heads=head_list, decay=[float(d) for d in decay],
         steps=steps, batch=batch, seed=seed, every=every, recorded_steps=np.array(recorded),
-        output_error=out_err, state_error=state_err, stalled=stalled,
+        output_error=out_err, state_error=state_err, stalled=stalled, cycle=cycle, cycle_error=cycle_err,
+        peak_error=peak,
         failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
         elapsed_s=elapsed, element_steps=float(elements) * steps,
         observed_parameters=None if inputs is None else _observed_parameters(inputs, steps),
@@ -280,11 +337,11 @@ def _rounds_stochastically(scheme) -> bool:
     return (scheme.checkpoint if scheme.is_replay else scheme.fmt).stochastic
 
 
-def _growth_exponent(steps: np.ndarray, err: np.ndarray) -> float:
-    """Slope of log(error) against log(step) over the second half of the run (scipy linregress)."""
+def _growth_exponent(steps: np.ndarray, err: np.ndarray, total: int) -> float:
+    """Slope of log(error) against log(step) over the points at steps ≥ total/2 (scipy linregress)."""
     from scipy import stats
 
-    half = steps >= steps[-1] / 2
+    half = steps >= total / 2
     x, y = np.log(steps[half]), err[half]
     ok = np.isfinite(y) & (y > 0)
     if ok.sum() < 3 or np.ptp(x[ok]) == 0:
@@ -294,7 +351,10 @@ def _growth_exponent(steps: np.ndarray, err: np.ndarray) -> float:
 
 @dataclasses.dataclass
 class DriftResult:
-    """What :func:`simulate` measured. Arrays are ``[scheme, recorded step, head]``."""
+    """What :func:`simulate` measured. ``output_error``, ``state_error``, ``stalled``:
+    ``[scheme, recorded step, head]``; ``cycle_error``: ``[scheme, cycle, head]``, each head's RMS
+    output error over the ``cycle`` steps of each measurement cycle (the last ends at the last step);
+    ``peak_error``: ``[scheme, head]``, each head's largest output error over every step."""
 
     profile: _profiles.Profile
     schemes: list
@@ -308,6 +368,9 @@ class DriftResult:
     output_error: np.ndarray
     state_error: np.ndarray
     stalled: np.ndarray
+    cycle: int
+    cycle_error: np.ndarray
+    peak_error: np.ndarray  # [scheme, head]: the largest output error over every step
     failed_at: dict
     elapsed_s: float
     element_steps: float  # state elements × steps, per scheme
@@ -315,9 +378,33 @@ class DriftResult:
     # sampled from the profile, whose parameters the profile's sampling model gives
     observed_parameters: Optional[tuple] = None
 
-    def head_curve(self, j: int) -> np.ndarray:
-        """Output error of scheme ``j`` at each recorded step, rms over heads."""
-        return np.sqrt(np.mean(self.output_error[j] ** 2, axis=1))
+    @property
+    def cycle_steps(self) -> np.ndarray:
+        """The last step of each measurement cycle; cycle ``c`` covers ``cycle_steps[c] − cycle + 1 …
+        cycle_steps[c]``."""
+        n = self.cycle_error.shape[1]
+        return self.steps - self.cycle * np.arange(n - 1, -1, -1)
+
+    @property
+    def cycle_middles(self) -> np.ndarray:
+        """The middle step of each measurement cycle (where curves plot it)."""
+        return self.cycle_steps - (self.cycle - 1) / 2
+
+    def cycle_curve(self, j: int) -> np.ndarray:
+        """Output error of scheme ``j`` per measurement cycle: RMS over the cycle's steps and the heads."""
+        return np.sqrt(np.mean(self.cycle_error[j] ** 2, axis=1))
+
+    def second_half_cycles(self) -> np.ndarray:
+        """Mask of the measurement cycles that start at step ≥ T/2 (the last cycle when none does):
+        what the theory table compares (:func:`qstate.analysis.theory.measured_vs_predicted`)."""
+        chosen = self.cycle_steps - self.cycle + 1 >= self.steps / 2
+        if not chosen.any():
+            chosen[-1] = True
+        return chosen
+
+    def final_window(self) -> tuple[int, int]:
+        """First and last step of the last measurement cycle, which ``final_error`` covers."""
+        return self.steps - self.cycle + 1, self.steps
 
     def stagnated(self, j: int) -> np.ndarray:
         """Per head: mean stalled fraction over the second half of the recorded steps > 1/2, for
@@ -340,22 +427,55 @@ class DriftResult:
             row.update(final_error=None, max_error=None, p99_error=None, growth_exponent=None,
                        stagnated_fraction=None)
             return row
-        per_head_max = np.max(self.output_error[j], axis=0)
+        per_head_max = self.peak_error[j]
         row.update(
-            final_error=float(np.quantile(self.output_error[j][-1], 0.99)),
+            final_error=float(np.quantile(self.cycle_error[j][-1], 0.99)),
             max_error=float(np.max(per_head_max)),
             p99_error=float(np.quantile(per_head_max, 0.99)),
-            growth_exponent=_growth_exponent(self.recorded_steps, self.head_curve(j)),
+            growth_exponent=_growth_exponent(self.cycle_middles, self.cycle_curve(j), self.steps),
             stagnated_fraction=float(np.mean(self.stagnated(j))),
         )
         return row
 
     def summary(self) -> Summary:
-        """One row per scheme: ``scheme, bytes_per_step, bytes_resident, final_error`` (p99 over
-        heads at the last step), ``max_error`` (over heads and steps), ``p99_error`` (p99 over heads
-        of each head's largest error), ``growth_exponent``, ``stagnated_fraction`` (of heads),
-        ``failed_at`` (step, or None)."""
+        """One row per scheme: ``scheme``, ``bytes_per_step``, ``bytes_resident``, ``final_error``,
+        ``max_error``, ``p99_error``, ``growth_exponent``, ``stagnated_fraction``, ``failed_at``
+        (step, or None); :meth:`measures` says what each covers."""
         return Summary(self.row(j) for j in range(len(self.schemes)))
+
+    def measures(self) -> dict:
+        """What each summary figure and array of this run covers, field → sentence (the report's
+        text and the ``measures`` entry of the JSON)."""
+        first, last = self.final_window()
+        rings = sorted({s.ring_len for s in self.schemes if s.is_replay})
+        if len(rings) > 1:
+            cycle = (f"{self.cycle} steps (whole cycles of every ring length: the least common multiple of "
+                     f"{', '.join(map(str, rings))})")
+        else:
+            cycle = f"{self.cycle} steps (" + (f"one cycle of the ring of {rings[0]}" if rings else
+                                               "no replay scheme in the run") + ")"
+        skip = self.steps - self.cycle * self.cycle_error.shape[1]
+        return {
+            "output_error": "relative output error ‖y − y_ref‖/‖y_ref‖ (norms over batch × headdim) of one step, "
+                            f"per head, at recorded_steps: about every {self.every}th step, staggered so that the "
+                            "records visit every position of a ring's cycle, and the last step",
+            "cycle": f"a measurement cycle is {cycle}; every scheme is measured over the same cycles",
+            "cycle_error": "per head, the RMS of the output error over every step of a measurement cycle (recorded "
+                           "or not); cycle c covers steps cycle_steps[c] − cycle + 1 … cycle_steps[c], the last "
+                           f"ending at step {self.steps}" + (f"; steps 1–{skip} fall in no cycle" if skip else ""),
+            "final_error": f"p99 over heads of each head's RMS output error over the last cycle, steps "
+                           f"{first}–{last}",
+            "peak_error": "per head, the largest output error over every step of the run (recorded or not)",
+            "max_error": "the largest output error over heads and every step of the run",
+            "p99_error": "p99 over heads of each head's largest output error over every step of the run (the "
+                         "chooser's test against the tolerance)",
+            "growth_exponent": "slope of log(per-cycle RMS error, RMS over heads) against log(middle step of the "
+                               f"cycle) over the cycles whose middle is at step ≥ {self.steps / 2:g}",
+            "stagnated_fraction": "share of heads whose mean stalled fraction over the recorded steps of the second "
+                                  f"half exceeds {STAGNATION_THRESHOLD:g} (round to nearest only)",
+            "bytes_per_step": "HBM bytes of one decode step per state element (ring and scales included)",
+            "bytes_resident": "bytes held per state element",
+        }
 
     def element_steps_per_second(self) -> float:
         """State element-steps per second of the whole run, summed over schemes."""
@@ -370,20 +490,26 @@ class DriftResult:
             "schemes": [str(s) for s in self.schemes],
             "heads": self.heads, "decay": self.decay, "steps": self.steps, "batch": self.batch,
             "seed": self.seed, "every": self.every, "recorded_steps": self.recorded_steps.tolist(),
+            "cycle": self.cycle, "cycle_steps": self.cycle_steps.tolist(),
+            "measures": self.measures(),
             "summary": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
                         for row in self.summary()],
             "output_error": clean(self.output_error), "state_error": clean(self.state_error),
-            "stalled": clean(self.stalled), "failed_at": self.failed_at,
+            "stalled": clean(self.stalled), "cycle_error": clean(self.cycle_error),
+            "peak_error": [[None if not np.isfinite(v) else float(v) for v in row] for row in self.peak_error],
+            "failed_at": self.failed_at,
             "elapsed_s": self.elapsed_s, "element_steps": self.element_steps,
         }
 
     def to_json(self, path: Union[str, os.PathLike]) -> None:
-        """Write everything (summary and the per step, per head arrays) as JSON."""
+        """Write everything (summary, what each figure covers, the per step and per cycle arrays) as JSON;
+        fields in ``analysis/README.md``."""
         with open(path, "w") as fh:
             json.dump(self.to_dict(), fh)
 
     def plot(self, path: Union[str, os.PathLike]) -> None:
-        """Error against step (log–log, rms over heads) per scheme, and the final error by decay class."""
+        """Per-cycle RMS error against step (log–log, RMS over heads) per scheme, and the RMS error over
+        the last cycle by decay class."""
         from .plots import plot_drift
 
         plot_drift(self, path)

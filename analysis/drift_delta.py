@@ -7,7 +7,8 @@ last stored checkpoint against the exact state of the step it was stored at (per
 and head; NaN for naive schemes). It shows what a corrected-value ring leaks into the checkpoint.
 
 Measures otherwise as :mod:`analysis.drift`: output error ``‖o − o_ref‖ / ‖o_ref‖`` over batch × V
-per head; state error over batch × V × K (replay: the state checkpoint and ring stand for);
+per head, at the recorded steps and as each head's RMS over every step of each measurement cycle
+(whole ring cycles); state error over batch × V × K (replay: the state checkpoint and ring stand for);
 stalled fraction of the stored codes (naive) or checkpoint codes at a flush (replay).
 
 The inputs are drawn in one piece, ``profile.sample_inputs(steps, batch, heads=, seed=)``, so a
@@ -26,7 +27,7 @@ import torch
 from qstate import _validate
 from qstate import profiles as _profiles
 
-from .drift import DriftResult, _progress, _recorded_steps
+from .drift import DriftResult, OutputErrors, _progress, _recorded_steps, measurement_cycle
 from .engine_delta import CorrectedRingGroup, DeltaExact, DeltaNaive, DeltaStepInputs, InputRingGroup, ring_kind
 from .schemes import parse_schemes
 
@@ -85,6 +86,7 @@ def simulate_delta(
     scheme_list = parse_schemes(schemes)
     _validate.positive_int("steps", steps)
     _validate.positive_int("every", every)
+    cycle = measurement_cycle(scheme_list, steps)
     device = torch.device(device)
     if inputs is not None:
         if not isinstance(inputs, _profiles.DeltaRuleInputs):
@@ -106,6 +108,7 @@ def simulate_delta(
     record_index = {t: r for r, t in enumerate(recorded)}
     nrec, nh, ns = len(recorded), len(head_list), len(scheme_list)
     out_err, state_err, stalled, ck_err = (np.full((ns, nrec, nh), np.nan) for _ in range(4))
+    errors = OutputErrors(ns, nh, steps, cycle, device)
     failed_at: dict[int, int] = {}
 
     def generator(j):
@@ -150,9 +153,10 @@ def simulate_delta(
             if bool(bad.any()):
                 for j in bad.nonzero().flatten().tolist():
                     failed_at.setdefault(j, t)
+            err_sq = (y_all - y_ref).square().sum(dim=(1, 3)) / y_ref.square().sum(dim=(0, 2))
+            errors.add(t, err_sq)
             if r is not None:
-                ref_norm = y_ref.square().sum(dim=(0, 2)).sqrt()
-                out_err[:, r] = ((y_all - y_ref).square().sum(dim=(1, 3)).sqrt() / ref_norm).cpu().numpy()
+                out_err[:, r] = err_sq.sqrt().cpu().numpy()
                 exact_norm = exact.state.square().sum(dim=(0, 2, 3)).sqrt()
                 if naive is not None:
                     se = (naive.state_error_sq(exact.state).sqrt() / exact_norm).cpu().numpy()
@@ -171,11 +175,12 @@ def simulate_delta(
     elapsed = time.perf_counter() - start_time
     for j in failed_at:
         out_err[j], state_err[j], stalled[j], ck_err[j] = np.nan, np.nan, np.nan, np.nan
+    cycle_err, peak = errors.finish(failed_at)
     elements = batch * nh * profile.head_v_dim * profile.head_k_dim
     return DeltaDriftResult(
         profile=profile, schemes=scheme_list, heads=head_list, decay=[float(d) for d in decay],
         steps=steps, batch=batch, seed=seed, every=every, recorded_steps=np.array(recorded),
-        output_error=out_err, state_error=state_err, stalled=stalled,
-        failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
+        output_error=out_err, state_error=state_err, stalled=stalled, cycle=cycle, cycle_error=cycle_err,
+        peak_error=peak, failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
         elapsed_s=elapsed, element_steps=float(elements) * steps, checkpoint_error=ck_err,
     )

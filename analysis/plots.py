@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DECAY_CLASSES", "decay_class", "plot_drift"]
+__all__ = ["DECAY_CLASSES", "decay_class", "final_by_class", "plot_drift"]
 
 # Edges of the decay classes (typical a = exp(dt·A) of a head): short memory … long memory.
 DECAY_CLASSES = ((0.0, 0.9, "a < 0.9"), (0.9, 0.99, "0.9 ≤ a < 0.99"), (0.99, 0.999, "0.99 ≤ a < 0.999"),
@@ -26,32 +26,41 @@ def _pyplot():
     return plt
 
 
+def final_by_class(result, j: int) -> np.ndarray:
+    """Per class of :data:`DECAY_CLASSES`: RMS over the class's heads of each head's RMS output error
+    over the last measurement cycle (NaN for a class without heads)."""
+    final = result.cycle_error[j][-1]
+    classes = decay_class(result.decay)
+    return np.array([np.sqrt(np.mean(final[classes == c] ** 2)) if np.any(classes == c) else np.nan
+                     for c in range(len(DECAY_CLASSES))])
+
+
 def plot_drift(result, path) -> None:
+    """Left: per measurement cycle, the RMS output error over the cycle's steps and the heads, at the
+    cycle's middle step. Right: :func:`final_by_class`. Both cover whole ring cycles."""
     plt = _pyplot()
     fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(13, 5))
-    steps = result.recorded_steps
-    classes = decay_class(result.decay)
+    steps = result.cycle_middles
     width = 0.8 / max(1, len(result.schemes))
     for j, scheme in enumerate(result.schemes):
         if str(scheme) in result.failed_at:
             continue
-        curve = result.head_curve(j)
+        curve = result.cycle_curve(j)
         ok = np.isfinite(curve) & (curve > 0)
         ax_t.loglog(steps[ok], curve[ok], label=str(scheme))
-        final = result.output_error[j][-1]
-        per_class = [np.sqrt(np.mean(final[classes == c] ** 2)) if np.any(classes == c) else np.nan
-                     for c in range(len(DECAY_CLASSES))]
-        ax_h.bar(np.arange(len(DECAY_CLASSES)) + j * width, per_class, width=width, label=str(scheme))
-    ax_t.set_xlabel("decode step")
-    ax_t.set_ylabel("relative output error (rms over heads)")
+        ax_h.bar(np.arange(len(DECAY_CLASSES)) + j * width, final_by_class(result, j), width=width,
+                 label=str(scheme))
+    first, last = result.final_window()
+    ax_t.set_xlabel(f"decode step (middle of each {result.cycle}-step cycle)")
+    ax_t.set_ylabel(f"relative output error (RMS over each {result.cycle}-step cycle and the heads)")
     ax_t.set_title(f"{result.profile.name}: error against step")
     ax_t.grid(True, which="both", alpha=0.3)
     ax_t.legend(fontsize=7)
     ax_h.set_yscale("log")
     ax_h.set_xticks(np.arange(len(DECAY_CLASSES)) + 0.4 - width / 2)
     ax_h.set_xticklabels([label for _, _, label in DECAY_CLASSES])
-    ax_h.set_ylabel("relative output error at the last step (rms over heads of the class)")
-    ax_h.set_title("error by head decay class")
+    ax_h.set_ylabel(f"relative output error (RMS over steps {first}–{last}, heads of the class)")
+    ax_h.set_title("error over the last cycle by head decay class")
     ax_h.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -15,8 +15,9 @@ __all__ = ["theory_table", "write_report"]
 
 
 def theory_table(result: DriftResult) -> str:
-    """Markdown: per scheme and decay class, measured against predicted rms output error over the
-    second half of the run (heads of the class pooled); ``*`` marks classes where the theory's
+    """Markdown: per scheme and decay class, measured against predicted rms output error over every
+    step of the whole measurement cycles in the second half of the run (heads of the class pooled,
+    :func:`theory.measured_vs_predicted`); ``*`` marks classes where the theory's
     assumptions hold for every head (unbiased or stochastic rounding, read copies). Heads are
     predicted with the parameters of the dt the run took when it was given explicit inputs, else
     with the profile's sampling model. Delta-rule runs: :func:`analysis.report_delta.theory_table`."""
@@ -78,6 +79,28 @@ def _family_sections(result: DriftResult) -> list[str]:
     return checkpoint_section(result)
 
 
+def _second_half_span(result: DriftResult) -> str:
+    ends = result.cycle_steps[result.second_half_cycles()]
+    return f"{ends[0] - result.cycle + 1}–{ends[-1]}"
+
+
+def _measure_lines(result: DriftResult) -> list[str]:
+    measures = result.measures()
+    fields = ["cycle", *(c for c in result.summary().columns if c in measures)]
+    return [f"- `{name}`: {measures[name]}." for name in fields]
+
+
+def _figure_lines(result: DriftResult, plot: bool) -> list[str]:
+    if not plot:
+        return ["(plot skipped: matplotlib is not installed)"]
+    first, last = result.final_window()
+    return ["![per-cycle error against step and error over the last cycle by decay class](drift.png)", "",
+            f"Left: per {result.cycle}-step measurement cycle, the RMS output error over the cycle's steps and "
+            "the heads, plotted at the cycle's middle step. Right: per class of head decay, the RMS over the "
+            f"class's heads of each head's RMS error over the last cycle (steps {first}–{last}), as in "
+            "`final_error`."]
+
+
 def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command: str = "", plot: bool = True) -> str:
     """Write ``report.md``, ``drift.json`` and (with ``plot``; it needs matplotlib) ``drift.png``
     into ``out_dir``, the figure last; returns the report path."""
@@ -97,23 +120,23 @@ def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command:
         "",
         "## Summary",
         "",
-        "Errors are relative output errors ‖y − y_ref‖/‖y_ref‖ against the exact fp64 recurrence. "
-        "`final_error`: p99 over heads at the last step; `p99_error`: p99 over heads of each head's largest "
-        "error; `growth_exponent`: slope of log error against log step over the second half; "
-        "`stagnated_fraction`: heads where most stored elements stop changing. Bytes are per state element "
-        "(`bytes_per_step`: HBM traffic of one decode step; `bytes_resident`: memory held).",
+        "Errors are relative output errors ‖y − y_ref‖/‖y_ref‖ against the exact fp64 recurrence. A replay "
+        "output's error depends on where its step stands in the ring's cycle (the flushing token reads no "
+        "read copy), so the figures cover whole cycles. What each covers:",
+        "",
+        *_measure_lines(result),
         "",
         result.summary().markdown(),
         "",
         *failed,
         "",
-        "![error against step and by decay class](drift.png)" if plot else
-        "(plot skipped: matplotlib is not installed)",
+        *_figure_lines(result, plot),
         "",
         "## Theory beside measurement",
         "",
-        "RMS relative output error over the second half of the run, per class of head decay "
-        "(derivations in `analysis/README.md`). `*`: the theory's assumptions hold for every head of the "
+        f"RMS relative output error over every step of steps {_second_half_span(result)} (whole measurement "
+        "cycles), per class of head decay, measured and predicted over the same steps (derivations in "
+        "`analysis/README.md`). `*`: the theory's assumptions hold for every head of the "
         "class; elsewhere round-to-nearest sits in or near its dead band and the formula is only a guide.",
         "",
         theory_table(result),

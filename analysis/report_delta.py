@@ -13,9 +13,10 @@ __all__ = ["theory_table", "checkpoint_section"]
 
 
 def theory_table(result: DriftResult) -> str:
-    """Markdown: per scheme and decay class, measured against predicted rms output error over the
-    second half of the run (heads of the class pooled); ``*`` marks classes where the theory's
-    assumptions hold for every head."""
+    """Markdown: per scheme and decay class, measured against predicted rms output error over every
+    step of the whole measurement cycles in the second half of the run (heads of the class pooled,
+    :func:`theory_delta.measured_vs_predicted`); ``*`` marks classes where the theory's assumptions
+    hold for every head."""
     heads = theory_delta.head_parameters(result.profile, result.heads, result.seed)
     classes = decay_class(result.decay)
     present = [c for c in range(len(DECAY_CLASSES)) if np.any(classes == c)]

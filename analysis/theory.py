@@ -315,15 +315,17 @@ def synthetic_inputs(decays, steps: int, *, batch: int = 2, headdim: int = 16, d
 
 def measured_vs_predicted(result, j: int, increments: Optional[np.ndarray] = None,
                           decays: Optional[np.ndarray] = None, D: float = 1.0):
-    """Per head of a :class:`DriftResult`: (measured, predicted) rms output error over the second half
-    of the recorded steps, and the :class:`Prediction` of each head."""
+    """Per head of a :class:`DriftResult`: (measured, predicted) rms output error over every step of the
+    whole measurement cycles in the second half of the run (``result.second_half_cycles()``: a
+    replay scheme's error depends on where a step stands in its ring's cycle), and the
+    :class:`Prediction` of each head."""
     p = result.profile
     decays = np.asarray(result.decay if decays is None else decays, dtype=float)
     increments = np.ones_like(decays) if increments is None else np.asarray(increments, dtype=float)
-    steps = result.recorded_steps
-    half = steps >= steps[-1] / 2
-    measured = np.sqrt(np.nanmean(result.output_error[j][half] ** 2, axis=0))
+    chosen = result.second_half_cycles()
+    measured = np.sqrt(np.mean(result.cycle_error[j][chosen] ** 2, axis=0))
+    steps = np.concatenate([np.arange(end - result.cycle + 1, end + 1) for end in result.cycle_steps[chosen]])
     preds = [predict(result.schemes[j], float(a), result.steps, increment=float(u), dstate=p.dstate,
                      headdim=p.headdim, D=D) for a, u in zip(decays, increments)]
-    predicted = np.array([np.sqrt(np.mean(pr.output_error[steps[half] - 1] ** 2)) for pr in preds])
+    predicted = np.array([np.sqrt(np.mean(pr.output_error[steps - 1] ** 2)) for pr in preds])
     return measured, predicted, preds

@@ -202,13 +202,14 @@ def predict(scheme, head: DeltaHead, steps: int, *, V: int = 128) -> DeltaPredic
 
 
 def measured_vs_predicted(result, j: int, heads: Optional[list[DeltaHead]] = None):
-    """Per head of a delta-rule :class:`DriftResult`: (measured, predicted) rms output error over the
-    second half of the recorded steps, and the :class:`DeltaPrediction` of each head."""
+    """Per head of a delta-rule :class:`DriftResult`: (measured, predicted) rms output error over every
+    step of the whole measurement cycles in the second half of the run (``result.second_half_cycles()``),
+    and the :class:`DeltaPrediction` of each head."""
     p = result.profile
     heads = head_parameters(p, result.heads, result.seed) if heads is None else heads
-    steps = result.recorded_steps
-    half = steps >= steps[-1] / 2
-    measured = np.sqrt(np.nanmean(result.output_error[j][half] ** 2, axis=0))
+    chosen = result.second_half_cycles()
+    measured = np.sqrt(np.mean(result.cycle_error[j][chosen] ** 2, axis=0))
+    steps = np.concatenate([np.arange(end - result.cycle + 1, end + 1) for end in result.cycle_steps[chosen]])
     preds = [predict(result.schemes[j], h, result.steps, V=p.head_v_dim) for h in heads]
-    predicted = np.array([np.sqrt(np.mean(pr.output_error[steps[half] - 1] ** 2)) for pr in preds])
+    predicted = np.array([np.sqrt(np.mean(pr.output_error[steps - 1] ** 2)) for pr in preds])
     return measured, predicted, preds

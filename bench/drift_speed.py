@@ -46,7 +46,7 @@ def _commit() -> str:
 
 
 def measure(schemes, steps: int, heads: int, batch: int, model: str = MAMBA2_MODEL) -> dict:
-    simulate(model, schemes, 16, batch=batch, heads=heads, every=64)  # warm-up
+    simulate(model, schemes, 32, batch=batch, heads=heads, every=64)  # warm-up: one cycle of a ring of 32
     result = simulate(model, schemes, steps, batch=batch, heads=heads, every=64)
     rate = result.element_steps_per_second()
     return {"model": model, "schemes": [str(s) for s in result.schemes], "steps": steps, "heads": heads,

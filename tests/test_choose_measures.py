@@ -20,22 +20,42 @@ def _quantile(values, q):
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def _rms(values):
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
 @pytest.fixture(scope="module")
 def recommendation():
-    return recommend(TINY, 1e-2, steps=48, candidates=CANDIDATES, heads=5, batch=2, every=3)
+    # Every step recorded (every=1), so the per-cycle figures can be recomputed from the records.
+    return recommend(TINY, 1e-2, steps=48, candidates=CANDIDATES, heads=5, batch=2, every=1)
 
 
 def test_measures_follow_from_the_recorded_errors(recommendation):
     recorded = recommendation.result.to_dict()
     rows = {r["scheme"]: r for r in recommendation.table}
     assert set(rows) == set(recorded["schemes"]) == set(CANDIDATES)
+    assert recorded["recorded_steps"] == list(range(1, 49))
+    cycle = recorded["cycle"]
+    assert cycle == 8 and recorded["cycle_steps"] == [8, 16, 24, 32, 40, 48]  # whole cycles of the ring of 8
     for j, scheme in enumerate(recorded["schemes"]):
         errors = recorded["output_error"][j]  # [recorded steps][heads]
-        per_head_max = [max(step[h] for step in errors) for h in range(len(errors[0]))]
+        heads = range(len(errors[0]))
+        per_head_max = [max(step[h] for step in errors) for h in heads]
         row = rows[scheme]
         assert row["max_error"] == pytest.approx(max(per_head_max), rel=1e-12)
         assert row["p99_error"] == pytest.approx(_quantile(per_head_max, 0.99), rel=1e-12)
-        assert row["final_error"] == pytest.approx(_quantile(errors[-1], 0.99), rel=1e-12)
+        for c, end in enumerate(recorded["cycle_steps"]):  # RMS over every step of the cycle, per head
+            window = errors[end - cycle:end]
+            assert recorded["cycle_error"][j][c] == pytest.approx(
+                [_rms([step[h] for step in window]) for h in heads], rel=1e-12), (scheme, end)
+        last_cycle = [_rms([step[h] for step in errors[-cycle:]]) for h in heads]
+        assert row["final_error"] == pytest.approx(_quantile(last_cycle, 0.99), rel=1e-12)
+        # growth: log of the per-cycle RMS over heads against log of the cycles' middle steps, second half
+        points = [(math.log(end - (cycle - 1) / 2), math.log(_rms(recorded["cycle_error"][j][c])))
+                  for c, end in enumerate(recorded["cycle_steps"]) if end - (cycle - 1) / 2 >= 24]
+        mx, my = (sum(p[i] for p in points) / len(points) for i in (0, 1))
+        slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+        assert row["growth_exponent"] == pytest.approx(slope, rel=1e-9)
         assert row["final_error"] <= row["max_error"] and row["p99_error"] <= row["max_error"]
 
 

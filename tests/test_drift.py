@@ -10,7 +10,8 @@ import torch
 
 from qstate import profiles, reference
 from qstate.analysis import drift
-from qstate.analysis.drift import _recorded_steps, simulate
+from qstate.analysis.drift import _recorded_steps, measurement_cycle, simulate
+from qstate.analysis.plots import final_by_class
 
 TINY = profiles.Profile("tiny", 6, 16, 64, 2, 1)
 SCHEMES = ["fp32", "bf16", "fp8_e4m3:row", "int8:block32", "fp8_e4m3:row+sr", "replay/fp32/5",
@@ -103,6 +104,88 @@ def test_a_read_copy_error_shows_when_the_ring_length_divides_the_record_interva
     assert read > 100 * no_read
 
 
+def test_cycle_figures_are_rms_over_the_recorded_steps_of_each_cycle(run):
+    """Every step is recorded here (every=1): each cycle's error is the RMS of the recorded errors of
+    its steps, the last cycle ends at the last step, and final_error is the p99 over heads of that."""
+    _, result, _, _ = run
+    assert result.cycle == 35  # the least common multiple of the ring lengths 5 and 7
+    assert "is 35 steps (whole cycles of every ring length: the least common multiple of 5, 7)" in result.measures()["cycle"]
+    assert result.recorded_steps.tolist() == list(range(1, T + 1)) and result.cycle_steps.tolist() == [T]
+    for j, row in enumerate(result.summary()):
+        last = result.output_error[j][T - 35:]
+        np.testing.assert_allclose(result.cycle_error[j, -1], np.sqrt(np.mean(last ** 2, axis=0)), rtol=1e-12)
+        assert row["final_error"] == pytest.approx(np.quantile(np.sqrt(np.mean(last ** 2, axis=0)), 0.99), rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def nemotron():
+    """A small run of the default profile with rings of 16: the issue's case."""
+    schemes = ["fp32", "replay/fp32/16", "replay/fp32/fp8_e4m3:row/16"]
+    return simulate("nemotron-h-8b", schemes, 96, batch=1, heads=4, every=16, seed=0)
+
+
+def test_final_figures_of_a_read_copy_cover_its_whole_cycle(nemotron):
+    """The last step is a flushing token, whose output reads no read copy: at that step alone the
+    fp8 read-copy scheme looks as exact as an fp32 checkpoint. Over the whole last cycle its error
+    is the read copy's, far above conventional fp32's, in the summary and in the decay-class plot."""
+    rows = {r["scheme"]: r for r in nemotron.summary()}
+    j_fp32, j_read = 0, 2
+    assert nemotron.output_error[j_read, -1].max() < 1e-6  # the flushing token
+    assert rows["replay/fp32/fp8_e4m3:row/16"]["final_error"] > 100 * rows["fp32"]["final_error"]
+    assert rows["replay/fp32/fp8_e4m3:row/16"]["final_error"] > 100 * rows["replay/fp32/16"]["final_error"]
+    by_class_read, by_class_fp32 = final_by_class(nemotron, j_read), final_by_class(nemotron, j_fp32)
+    present = np.isfinite(by_class_fp32)
+    assert present.any() and np.all(by_class_read[present] > 100 * by_class_fp32[present])
+    # max_error and p99_error take each head's largest error over every step, records or not
+    assert np.all(nemotron.peak_error >= np.max(nemotron.output_error, axis=1) * (1 - 1e-12))
+    assert rows["fp32"]["max_error"] == pytest.approx(nemotron.peak_error[j_fp32].max(), rel=1e-12)
+    first, last = nemotron.final_window()
+    assert (first, last) == (81, 96) and "81–96" in nemotron.measures()["final_error"]
+
+
+def test_per_cycle_curves_have_no_saw_tooth(nemotron):
+    """Single steps of a read-copy scheme swing over decades within a ring cycle (no read copy at the
+    flush); its per-cycle RMS moves by far less from one cycle to the next."""
+    later = nemotron.recorded_steps > 16  # the first cycle reads a copy of the zero initial state: exact
+    single = np.sqrt(np.mean(nemotron.output_error[2] ** 2, axis=1))[later]  # RMS over heads, one step each
+    assert single.max() > 1e3 * single.min()
+    curve = nemotron.cycle_curve(2)[1:]
+    assert nemotron.cycle_middles.tolist() == [8.5 + 16 * c for c in range(6)]
+    assert np.all(np.isfinite(curve)) and np.max(np.abs(np.diff(np.log10(curve)))) < 1
+
+
+def test_report_and_json_say_what_each_figure_covers(nemotron, tmp_path):
+    from qstate.analysis.report import write_report
+
+    text = open(write_report(nemotron, tmp_path, plot=False)).read()
+    measures = nemotron.measures()
+    for name in ("cycle", "final_error", "max_error", "p99_error", "growth_exponent", "stagnated_fraction"):
+        assert f"- `{name}`: {measures[name]}." in text
+    assert "over the last cycle, steps 81–96" in text and "16 steps (one cycle of the ring of 16)" in text
+    assert "over every step of steps 49–96 (whole measurement cycles)" in text  # the theory table
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["measures"] == measures and len(data["peak_error"]) == 3
+
+
+def test_measurement_cycle_holds_whole_cycles_of_every_ring():
+    assert measurement_cycle(["fp32", "replay/fp32/8", "replay/fp32/fp8_e4m3:row/12"], 100) == 24
+    assert measurement_cycle(["replay/fp32/16", "replay/bf16/int8:row/16"], 16) == 16
+    assert measurement_cycle(["fp32", "bf16"], 100) == drift.DEFAULT_CYCLE
+    assert measurement_cycle(["fp32"], 5) == 5
+    with pytest.raises(ValueError, match="steps: expected at least 35"):
+        measurement_cycle(["replay/fp32/5", "replay/fp32/7"], 34)
+    with pytest.raises(ValueError, match=r"steps: expected at least 16 \(one whole cycle of the ring of 16\), got 8"):
+        measurement_cycle(["replay/fp32/16"], 8)
+
+
+def test_cli_refuses_a_run_shorter_than_a_cycle(tmp_path, capsys):
+    from qstate.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["drift", "--model", "nemotron-h-8b", "--steps", "8", "--heads", "2", "--out", str(tmp_path / "r")])
+    assert exit_info.value.code == 2 and "steps: expected at least 16" in capsys.readouterr().err
+
+
 def test_records_about_every_kth_step_staggered_and_the_last():
     """Records step k·every − (k − 1) mod every, so they visit every residue modulo ``every``."""
     result = simulate(TINY, ["fp32"], 10, batch=1, every=4)
@@ -136,6 +219,8 @@ def test_summary_rows_and_json(tmp_path, run):
     result.to_json(tmp_path / "drift.json")
     data = json.loads((tmp_path / "drift.json").read_text())
     assert data["schemes"] == SCHEMES and len(data["output_error"][0]) == T
+    assert data["cycle"] == 35 and data["cycle_steps"] == [T] and len(data["cycle_error"][0]) == 1
+    assert set(drift.Summary.columns) - {"scheme", "failed_at"} <= set(data["measures"])
     result.plot(tmp_path / "drift.png")
     assert (tmp_path / "drift.png").stat().st_size > 0
 
@@ -157,6 +242,7 @@ def test_overflow_is_a_failure_with_its_step():
 @pytest.mark.parametrize("kwargs, name", [
     (dict(steps=0), "steps"), (dict(steps=5, every=0), "every"), (dict(steps=5, heads=[0, 6]), "heads"),
     (dict(steps=5, batch=0), "batch"), (dict(steps=5, schemes="fp9"), "scheme"),
+    (dict(steps=5, schemes=["replay/fp32/8"]), "steps"),
 ])
 def test_bad_arguments_name_themselves(kwargs, name):
     kwargs = {"schemes": ["fp32"], **kwargs}
