@@ -174,9 +174,19 @@ def simulate(
     ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of sampling
     from the profile (``batch``, ``heads`` and ``seed`` then only name the run).
     Stochastic schemes draw their noise from generators seeded with ``seed`` (one per scheme).
+    A delta-rule profile (family ``gated_delta``) runs :func:`analysis.drift_delta.simulate_delta`.
     """
     profile = _profiles.get(profile)
+    if profile.family == "gated_delta":
+        from .drift_delta import simulate_delta
+
+        return simulate_delta(profile, schemes, steps, batch=batch, heads=heads, seed=seed, device=device,
+                              every=every, inputs=inputs, progress=progress)
     scheme_list = parse_schemes(schemes)
+    corrected = [str(s) for s in scheme_list if s.is_replay and s.ring == "corrected"]
+    if corrected:
+        raise ValueError(f"schemes: a corrected-value ring exists for delta-rule layers only; a Mamba-2 ring holds "
+                         f"the inputs, got {corrected[0]!r} for {profile.name}")
     _validate.positive_int("steps", steps)
     _validate.positive_int("every", every)
     cycle = measurement_cycle(scheme_list, steps)
@@ -309,6 +319,16 @@ class Summary(list):
     def __getitem__(self, index):
         item = super().__getitem__(index)
         return Summary(item) if isinstance(index, slice) else item
+
+
+def profile_shape(profile) -> dict:
+    """The profile's name, family and layer shape, as the JSON of a drift run gives them."""
+    if profile.family == "gated_delta":
+        return {"name": profile.name, "family": profile.family, "num_k_heads": profile.num_k_heads,
+                "num_v_heads": profile.num_v_heads, "head_k_dim": profile.head_k_dim,
+                "head_v_dim": profile.head_v_dim, "gate": profile.gate, "gate_form": profile.gate_form}
+    return {"name": profile.name, "family": profile.family, "nheads": profile.nheads, "headdim": profile.headdim,
+            "dstate": profile.dstate, "ngroups": profile.ngroups}
 
 
 def _rounds_stochastically(scheme) -> bool:
@@ -465,10 +485,8 @@ class DriftResult:
         def clean(a):
             return [[[None if not np.isfinite(v) else float(v) for v in row] for row in m] for m in a]
 
-        p = self.profile
         return {
-            "profile": {"name": p.name, "nheads": p.nheads, "headdim": p.headdim, "dstate": p.dstate,
-                        "ngroups": p.ngroups},
+            "profile": profile_shape(self.profile),
             "schemes": [str(s) for s in self.schemes],
             "heads": self.heads, "decay": self.decay, "steps": self.steps, "batch": self.batch,
             "seed": self.seed, "every": self.every, "recorded_steps": self.recorded_steps.tolist(),

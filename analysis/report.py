@@ -20,7 +20,11 @@ def theory_table(result: DriftResult) -> str:
     :func:`theory.measured_vs_predicted`); ``*`` marks classes where the theory's
     assumptions hold for every head (unbiased or stochastic rounding, read copies). Heads are
     predicted with the parameters of the dt the run took when it was given explicit inputs, else
-    with the profile's sampling model."""
+    with the profile's sampling model. Delta-rule runs: :func:`analysis.report_delta.theory_table`."""
+    if result.profile.family == "gated_delta":
+        from .report_delta import theory_table as delta_table
+
+        return delta_table(result)
     if result.observed_parameters is not None:
         decays, increments = (np.asarray(v) for v in result.observed_parameters)
     else:
@@ -60,6 +64,21 @@ def _stagnation_lines(result: DriftResult) -> list[str]:
     return lines or ["- no scheme stagnates on these heads"]
 
 
+def _shape_text(p) -> str:
+    if p.family == "gated_delta":
+        return (f"Delta-rule layer ({p.gate} gate, {p.gate_form}): {p.num_k_heads} key heads × {p.head_k_dim} K, "
+                f"{p.num_v_heads} value heads × {p.head_v_dim} V.")
+    return f"Layer shape {p.nheads} heads × {p.headdim} headdim × {p.dstate} dstate, {p.ngroups} groups."
+
+
+def _family_sections(result: DriftResult) -> list[str]:
+    if result.profile.family != "gated_delta":
+        return []
+    from .report_delta import checkpoint_section
+
+    return checkpoint_section(result)
+
+
 def _second_half_span(result: DriftResult) -> str:
     ends = result.cycle_steps[result.second_half_cycles()]
     return f"{ends[0] - result.cycle + 1}–{ends[-1]}"
@@ -92,8 +111,7 @@ def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command:
     text = [
         f"# Drift report: {p.name}",
         "",
-        f"Layer shape {p.nheads} heads × {p.headdim} headdim × {p.dstate} dstate, {p.ngroups} groups. "
-        f"Simulated {len(result.heads)} heads spanning the decay range (heads {result.heads}), batch "
+        f"{_shape_text(p)} Simulated {len(result.heads)} heads spanning the decay range (heads {result.heads}), batch "
         f"{result.batch}, {result.steps} decode steps from a zero state, seed {result.seed}, recorded every "
         f"{result.every} steps; {result.elapsed_s:.1f} s "
         f"({result.element_steps_per_second():.3g} state element-steps/s over all schemes).",
@@ -127,6 +145,7 @@ def write_report(result: DriftResult, out_dir: Union[str, os.PathLike], command:
         "",
         *_stagnation_lines(result),
         "",
+        *_family_sections(result),
     ]
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as fh:

@@ -13,11 +13,20 @@ String form (used by the CLI, in tables and in JSON; :meth:`Scheme.parse` round-
 ``fp8_e4m3:row``                      conventional, state in that format
 ``replay/fp32/16``                    replay, fp32 checkpoint, no read copy, ring 16
 ``replay/fp32/fp8_e4m3:row/16``       replay, fp32 checkpoint, fp8 read copy, ring 16
+``replay/fp32/fp8_e4m3:row/16/inputs``  delta rule: the same with the ring kind named
 ====================================  ==============================================
 
-Bytes are per state element (``headdim × dstate`` per head and sequence); derivation in
-``analysis/README.md``. Ring tokens hold ``x`` and ``B`` in ``input_bytes`` (bf16: 2) and an
-fp32 ``dt``; ``B`` is shared by the ``nheads / ngroups`` heads of a group.
+The ring kind (``inputs`` or ``corrected``, :data:`RING_KINDS`) applies to delta-rule layers
+only (:mod:`qstate.reference.gated_delta`); without it a delta-rule replay keeps an ``inputs``
+ring, and a Mamba-2 replay (whose ring always holds inputs) refuses ``corrected``.
+
+Bytes are per state element (``headdim × dstate`` per head and sequence for Mamba-2, ``V × K``
+for the delta rule); derivation in ``analysis/README.md``. Mamba-2 ring tokens hold ``x`` and
+``B`` in ``input_bytes`` (bf16: 2) and an fp32 ``dt``; ``B`` is shared by the ``nheads / ngroups``
+heads of a group. Delta-rule ring tokens hold ``k̂`` (shared by the ``HV / HK`` value heads of a
+key head) in ``input_bytes``, the fp32 gate (one or ``K`` per head) and, for an ``inputs`` ring,
+``v`` in ``input_bytes`` and an fp32 ``β``, for a ``corrected`` ring the fp32 corrected value ``d``
+(``V``).
 """
 
 from __future__ import annotations
@@ -28,12 +37,20 @@ from typing import Optional, Union
 from qstate import profiles as _profiles
 from qstate.formats import StateFormat, as_format
 
-__all__ = ["Scheme", "parse_schemes", "DEFAULT_SCHEMES", "candidate_schemes"]
+__all__ = ["Scheme", "parse_schemes", "DEFAULT_SCHEMES", "DELTA_DEFAULT_SCHEMES", "RING_KINDS", "candidate_schemes",
+           "default_schemes"]
 
 REPLAY = "replay"
+RING_KINDS = ("inputs", "corrected")
+
+
+def _is_delta(profile) -> bool:
+    return profile.family == "gated_delta"
 
 
 def _element_bytes(fmt: StateFormat, profile) -> float:
+    if _is_delta(profile):  # scale groups run over K: "row" is one scale per V-row
+        return fmt.bytes_per_element(profile.head_k_dim, profile.head_v_dim)
     return fmt.bytes_per_element(profile.dstate, profile.headdim)
 
 
@@ -46,6 +63,7 @@ class Scheme:
     checkpoint: Optional[StateFormat] = None  # replay
     read: Optional[StateFormat] = None  # replay: read copy, None reads the checkpoint
     ring_len: int = 0  # replay
+    ring: Optional[str] = None  # replay of a delta-rule layer: "inputs" or "corrected"; None: inputs
 
     @classmethod
     def conventional(cls, fmt: Union[str, StateFormat]) -> "Scheme":
@@ -54,12 +72,15 @@ class Scheme:
 
     @classmethod
     def replay(cls, checkpoint: Union[str, StateFormat] = "fp32", read: Union[None, str, StateFormat] = None,
-               ring_len: int = 16) -> "Scheme":
-        """Checkpoint in ``checkpoint``, ring of ``ring_len`` inputs, read copy in ``read`` (or none)."""
+               ring_len: int = 16, ring: Optional[str] = None) -> "Scheme":
+        """Checkpoint in ``checkpoint``, ring of ``ring_len`` tokens, read copy in ``read`` (or none);
+        ``ring``: the delta rule's ring kind (:data:`RING_KINDS`), None for the default (inputs)."""
         if isinstance(ring_len, bool) or not isinstance(ring_len, int) or ring_len < 1:
             raise ValueError(f"ring_len: expected an int >= 1, got {ring_len!r}")
+        if ring is not None and ring not in RING_KINDS:
+            raise ValueError(f"ring: expected None or one of {list(RING_KINDS)}, got {ring!r}")
         return cls(REPLAY, checkpoint=as_format(checkpoint, "checkpoint"),
-                   read=None if read is None else as_format(read, "read"), ring_len=ring_len)
+                   read=None if read is None else as_format(read, "read"), ring_len=ring_len, ring=ring)
 
     @classmethod
     def parse(cls, text: Union[str, "Scheme"]) -> "Scheme":
@@ -74,28 +95,45 @@ class Scheme:
                 if len(parts) != 1:
                     raise ValueError("a conventional scheme is a single format")
                 return cls.conventional(parts[0])
+            ring = None
+            if len(parts) > 1 and not parts[-1].isdigit() and not parts[-2].isdigit():
+                raise ValueError("expected replay/<checkpoint>[/<read>]/<ring_len>[/<ring>]")
+            if len(parts) > 1 and not parts[-1].isdigit():
+                ring = parts.pop()
+                if ring not in RING_KINDS:
+                    raise ValueError(f"the ring kind after the ring length is one of {list(RING_KINDS)}, "
+                                     f"got {ring!r}")
             if len(parts) not in (3, 4) or not parts[-1].isdigit():
-                raise ValueError("expected replay/<checkpoint>[/<read>]/<ring_len>")
+                raise ValueError("expected replay/<checkpoint>[/<read>]/<ring_len>[/<ring>]")
             read = parts[2] if len(parts) == 4 else None
-            return cls.replay(parts[1], read, int(parts[-1]))
+            return cls.replay(parts[1], read, int(parts[-1]), ring)
         except (ValueError, TypeError) as err:
             raise ValueError(
                 f"scheme: cannot parse {text!r} ({err}); expected '<format>' (conventional) or "
-                "'replay/<checkpoint>[/<read>]/<ring_len>', e.g. 'fp8_e4m3:row' or 'replay/fp32/fp8_e4m3:row/16'"
+                "'replay/<checkpoint>[/<read>]/<ring_len>[/<ring>]', e.g. 'fp8_e4m3:row', "
+                "'replay/fp32/fp8_e4m3:row/16' or 'replay/fp32/fp8_e4m3:row/16/corrected' (delta rule)"
             ) from None
 
     def __str__(self) -> str:
         if self.kind != REPLAY:
             return str(self.fmt)
         read = f"/{self.read}" if self.read is not None else ""
-        return f"{REPLAY}/{self.checkpoint}{read}/{self.ring_len}"
+        ring = f"/{self.ring}" if self.ring is not None else ""
+        return f"{REPLAY}/{self.checkpoint}{read}/{self.ring_len}{ring}"
 
     @property
     def is_replay(self) -> bool:
         return self.kind == REPLAY
 
     def _ring_token_bytes(self, profile, input_bytes: float) -> float:
-        """Bytes of one ring token per state element: x (headdim), B (dstate, per group), dt (fp32)."""
+        """Bytes of one ring token per state element. Mamba-2: x (headdim), B (dstate, per group),
+        dt (fp32). Delta rule: k̂ (K, per key head), the fp32 gate (1 or K), and v (V) with an fp32 β
+        (inputs ring) or the fp32 corrected value d (V, corrected ring)."""
+        if _is_delta(profile):
+            K, V = profile.head_k_dim, profile.head_v_dim
+            k = K * input_bytes * profile.num_k_heads / profile.num_v_heads
+            own = V * 4.0 if self.ring == "corrected" else V * input_bytes + 4.0
+            return (k + 4.0 * profile.gate_channels + own) / (K * V)
         heads_per_group = profile.nheads // profile.ngroups
         per_head = profile.headdim * input_bytes + profile.dstate * input_bytes / heads_per_group + 4.0
         return per_head / (profile.headdim * profile.dstate)
@@ -145,6 +183,19 @@ DEFAULT_SCHEMES = (
     "fp32", "bf16", "fp16", "fp8_e4m3:row", "fp8_e4m3:row+sr", "int8:row",
     "replay/fp32/16", "replay/fp32/fp8_e4m3:row/16", "replay/fp32/int8:row/16", "replay/bf16/fp8_e4m3:row/16",
 )
+
+# Delta-rule layers: naive states in the formats public reports use, and replay with an fp8
+# read copy under both ring kinds (the corrected ring shows its leak into the checkpoint).
+DELTA_DEFAULT_SCHEMES = (
+    "fp32", "bf16", "fp16", "fp8_e4m3:row", "int8:row",
+    "replay/fp32/16/inputs", "replay/fp32/fp8_e4m3:row/16/inputs", "replay/fp32/fp8_e4m3:row/16/corrected",
+)
+
+
+def default_schemes(profile) -> tuple:
+    """The default schemes of ``qstate drift`` for the profile's layer family."""
+    return DELTA_DEFAULT_SCHEMES if _is_delta(_profiles.get(profile)) else DEFAULT_SCHEMES
+
 
 CONVENTIONAL_FORMATS = ("fp32", "bf16", "fp16") + tuple(
     f"{d}:{g}" for d in ("fp8_e4m3", "fp8_e5m2", "int8") for g in ("row", "head", "block32"))

@@ -1,12 +1,18 @@
 """The ``qstate`` command: ``qstate drift``, ``qstate choose``, ``qstate models``.
 
     qstate drift --model nemotron-h-8b [--schemes fp32,fp8_e4m3:row,...] [--steps 8192] [--out report] [--force]
+    qstate drift --model qwen3.5-9b [--schemes int8:row,replay/fp32/fp8_e4m3:row/16/inputs,...]
     qstate drift --config path/to/config.json ...
     qstate drift --hf-model path/to/weights [--schemes ...] [--new-tokens 64] [--prompt TEXT] [--device cuda]
-    qstate choose --model nemotron-h-8b --tolerance 1e-2 [--objective memory]
+    qstate choose --model kimi-linear-48b-a3b --tolerance 1e-2 [--objective memory]
     qstate models
 
-Scheme strings: ``<format>`` (conventional) or ``replay/<checkpoint>[/<read>]/<ring_len>``.
+Both layer families work: Mamba-2 models and gated delta rule models (GDN, KDA); ``qstate models``
+lists them. Scheme strings: ``<format>`` (conventional, or "naive" for the delta rule) or
+``replay/<checkpoint>[/<read>]/<ring_len>[/<ring>]``, ``<ring>`` being the delta rule's ring kind
+(``inputs``, the default, or ``corrected``). Defaults by family: Mamba-2 runs 8192 steps of 16
+heads, recorded every ``steps / 512``; a delta-rule run 4096 steps of 8 heads (a head holds
+``K × V`` = 16384 elements), recorded every ``steps / 128``.
 
 ``drift`` checks ``--out`` (a folder it can write, holding no earlier report unless ``--force``)
 before simulating, prints the summary and writes the markdown and JSON before the figure; the
@@ -105,7 +111,8 @@ def _folder(text: str) -> str:
 def _model_args(parser: argparse.ArgumentParser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=f"built-in profile, one of {profiles.names()}")
-    source.add_argument("--config", help="a transformers config.json (Mamba2 or NemotronH) or its folder")
+    source.add_argument("--config", help="a transformers config.json (Mamba2, NemotronH, Qwen3-Next, Qwen3.5, "
+                        "Kimi Linear, GLM-5.x) or its folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", type=_device, default="cpu", help="torch device for the simulation (cpu, cuda)")
     parser.add_argument("--threads", type=_count, default=None, help="torch CPU threads (default: torch's)")
@@ -165,8 +172,8 @@ def _drift(args) -> int:
     if args.hf_model:
         return _drift_hf(args)
     from .analysis.report import write_report
-    from .analysis.schemes import DEFAULT_SCHEMES, parse_schemes
     from .analysis.drift import simulate
+    from .analysis.schemes import default_schemes, parse_schemes
 
     hf_only = {"--new-tokens": args.new_tokens, "--prompt": args.prompt, "--prompt-tokens": args.prompt_tokens}
     given = [option for option, value in hf_only.items() if value is not None]
@@ -174,11 +181,12 @@ def _drift(args) -> int:
         raise ValueError(f"argument {given[0]}: expected only with --hf-model (the simulation does not use it), "
                          f"got no --hf-model")
     profile = _profile(args)
-    steps = getattr(args, "steps", 8192)
-    every = getattr(args, "every", max(1, steps // 512))
-    schemes = parse_schemes(",".join(DEFAULT_SCHEMES) if args.schemes is None else args.schemes)
+    steps, heads, records = _DRIFT_DEFAULTS[profile.family]
+    steps = getattr(args, "steps", steps)
+    every = getattr(args, "every", max(1, steps // records))
+    schemes = parse_schemes(",".join(default_schemes(profile)) if args.schemes is None else args.schemes)
     _prepare_out(args.out, args.force, _REPORT_FILES)
-    result = simulate(profile, schemes, steps, batch=args.batch, heads=getattr(args, "heads", 16), seed=args.seed,
+    result = simulate(profile, schemes, steps, batch=args.batch, heads=getattr(args, "heads", heads), seed=args.seed,
                       device=args.device, every=every)
     print(result.summary().markdown())
     command = "qstate " + " ".join(shlex.quote(a) for a in args.argv)
@@ -187,6 +195,11 @@ def _drift(args) -> int:
     print(f"\nwrote {path} and drift.json" + (", drift.png" if plot else f"; {_PLOT_SKIPPED}") +
           f" ({result.elapsed_s:.1f} s simulated)")
     return 0
+
+
+# (steps, heads, records) of a simulated drift run by layer family, when not given. A delta-rule
+# record costs a pass over every scheme's state, several times a step's work: fewer of them.
+_DRIFT_DEFAULTS = {"mamba2": (8192, 16, 512), "gated_delta": (4096, 8, 128)}
 
 
 def _choose(args) -> int:
@@ -223,22 +236,25 @@ def _heads(text: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qstate", description="Numerics of quantized SSM decode state.")
+    parser = argparse.ArgumentParser(prog="qstate", description="Numerics of quantized SSM and delta-rule decode "
+                                     "state.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     drift = sub.add_parser("drift", help="simulate storage schemes against the exact recurrence; write a report")
     _model_args(drift).add_argument(
         "--hf-model", metavar="PATH", help="local transformers Mamba2/NemotronH weights: drift of the logits "
         "(teacher-forced, each scheme against the unpatched model) instead of a simulation")
-    drift.add_argument("--schemes", help="comma-separated scheme strings (default: the demo set)")
+    drift.add_argument("--schemes", help="comma-separated scheme strings (default: the demo set of the model's "
+                       "layer family)")
     # The simulation's options are absent unless given (SUPPRESS), so that --hf-model can refuse them.
-    drift.add_argument("--steps", type=_count, default=argparse.SUPPRESS, help="decode steps (default: 8192)")
+    drift.add_argument("--steps", type=_count, default=argparse.SUPPRESS,
+                       help="decode steps (default: 8192 Mamba-2, 4096 delta rule)")
     drift.add_argument("--batch", type=_count, default=2)
     drift.add_argument("--heads", type=_heads, default=argparse.SUPPRESS,
                        help="number of heads spanning the decay range, 'all', or comma-separated indices "
-                       "(default: 16)")
+                       "(default: 16 Mamba-2, 8 delta rule)")
     drift.add_argument("--every", type=_count, default=argparse.SUPPRESS,
-                       help="record every N steps (default: steps / 512)")
+                       help="record every N steps (default: steps / 512 Mamba-2, steps / 128 delta rule)")
     drift.add_argument("--out", type=_folder, default="report",
                        help="output folder (report.md, drift.json, drift.png); one holding a report is refused")
     drift.add_argument("--force", action="store_true", help="overwrite a report already in --out")

@@ -8,8 +8,8 @@ from bench import drift_speed, run_gpu
 
 @pytest.mark.parametrize("rate, code", [(drift_speed.TARGET / 10, 1), (drift_speed.TARGET * 10, 0)])
 def test_drift_speed_exit_status_follows_the_target(rate, code, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(drift_speed, "measure", lambda schemes, steps, heads, batch: dict(
-        schemes=[str(s) for s in schemes], steps=steps, heads=heads, batch=batch, seconds=1.0,
+    monkeypatch.setattr(drift_speed, "measure", lambda schemes, steps, heads, batch, model=drift_speed.MAMBA2_MODEL: dict(
+        model=model, schemes=[str(s) for s in schemes], steps=steps, heads=heads, batch=batch, seconds=1.0,
         element_steps_per_s=rate))
     assert drift_speed.main(["--out", str(tmp_path)]) == code
     if code:

@@ -11,7 +11,7 @@ CI_STEPS = 64
 CI_NEW_TOKENS = 8
 
 
-@pytest.mark.parametrize("name", ["drift_analysis.ipynb", "choose_precision.ipynb"])
+@pytest.mark.parametrize("name", ["drift_analysis.ipynb", "choose_precision.ipynb", "delta_rule_drift.ipynb"])
 def test_notebook_runs(name, tmp_path):
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), "commit without outputs"
