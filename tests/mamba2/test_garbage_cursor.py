@@ -54,8 +54,14 @@ def _bad_slot_checks(cache: ReplayCache, before: dict, out_row: torch.Tensor) ->
     assert not cache.flush_counters.any()
 
 
-def _staggered_decode_cache(inp) -> ReplayCache:
-    """Slots at cursors 0, 1, 2, 0 after some steps (rings and states non-trivial)."""
+def _clone(cache: ReplayCache) -> ReplayCache:
+    return dataclasses.replace(cache, **{k: v.clone() for k, v in cache.tensors().items() if v is not None})
+
+
+@functools.lru_cache(maxsize=None)
+def _staggered_decode_cache() -> ReplayCache:
+    """Slots at cursors 0, 1, 2, 0 after some steps (rings and states non-trivial); callers clone it."""
+    inp = make_inputs(6, SLOTS, H, P, N, G, seed=3)
     cache = ReplayCache.allocate(SLOTS, H, P, N, G, ring_len=RING, read="fp8_e4m3:row", input_dtype=torch.float32)
     cache.reset(range(SLOTS), torch.randn(SLOTS, H, P, N, generator=torch.Generator().manual_seed(1)))
     for t, rows in enumerate(([0, 1, 2, 3], [1, 2], [2, 3], [0, 1, 2, 3])):
@@ -73,7 +79,7 @@ def step_kernel(request, monkeypatch):
 @pytest.mark.parametrize("garbage", GARBAGE)
 def test_decode_with_a_garbage_cursor_writes_nothing_and_flags_the_slot(garbage, step_kernel):
     inp = make_inputs(6, SLOTS, H, P, N, G, seed=3)
-    cache = _staggered_decode_cache(inp)
+    cache = _clone(_staggered_decode_cache())
     cache.cursor[BAD_SLOT] = garbage  # device memory, behind from_tensors' check
     before = _snapshot(cache)
     alone = torch.tensor([BAD_SLOT])
@@ -82,7 +88,7 @@ def test_decode_with_a_garbage_cursor_writes_nothing_and_flags_the_slot(garbage,
 
     # In a full batch the other rows decode as if the bad row were padding.
     cache.slot_flags.zero_()
-    clean = dataclasses.replace(cache, **{k: v.clone() for k, v in cache.tensors().items() if v is not None})
+    clean = _clone(cache)
     before = _snapshot(cache)
     out = replay_decode(cache, **step_args(inp, 5), dt_softplus=True, slot_indices=torch.arange(SLOTS))
     padded = torch.tensor([0, 1, -1, 3])
@@ -109,6 +115,7 @@ def _rows(inp, idx):
     return {k: (v[idx] if v.dim() > 1 else v) for k, v in inp.items()}
 
 
+@functools.lru_cache(maxsize=None)
 def _staggered_draft_cache() -> ReplayCache:
     cache = ReplayCache.allocate(SLOTS, H, P, N, G, ring_len=RING, read="fp8_e4m3:row", input_dtype=torch.float32,
                                  max_draft=DRAFT)
@@ -121,7 +128,7 @@ def _staggered_draft_cache() -> ReplayCache:
 
 @pytest.mark.parametrize("garbage", GARBAGE)
 def test_verify_and_commit_with_a_garbage_cursor_write_nothing_and_flag_the_slot(garbage):
-    cache = _staggered_draft_cache()
+    cache = _clone(_staggered_draft_cache())
     cache.cursor[BAD_SLOT] = garbage
     before = _snapshot(cache)
     alone = torch.tensor([BAD_SLOT])
@@ -136,7 +143,7 @@ def test_verify_and_commit_with_a_garbage_cursor_write_nothing_and_flag_the_slot
 
 
 def test_a_commit_past_the_ring_from_garbage_drafts_writes_nothing_and_flags_the_slot():
-    cache = _staggered_draft_cache()
+    cache = _clone(_staggered_draft_cache())
     cache.drafts[BAD_SLOT] = 100  # garbage: the accepted count passes the host check, not the ring
     before = _snapshot(cache)
     alone = torch.tensor([BAD_SLOT])
