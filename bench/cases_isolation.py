@@ -102,8 +102,7 @@ def garbage_cursors(device, failures):
         cache.cursor[BAD] = garbage
         before = _clone(cache)
         alone = torch.tensor([BAD], device=device)
-        out = replay_verify(cache, **{k: v[:1] if v.dim() > 1 else v for k, v in _inputs(g, device, 1, T=DRAFT).items()},
-                            dt_softplus=True, slot_indices=alone)
+        out = replay_verify(cache, **_inputs(g, device, 1, T=DRAFT), dt_softplus=True, slot_indices=alone)
         cache.drafts[BAD] = DRAFT
         before.drafts[BAD] = DRAFT
         replay_commit(cache, torch.tensor([1], dtype=torch.int32, device=device), alone)

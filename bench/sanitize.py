@@ -32,6 +32,7 @@ REPLAY_FORMATS = (("fp32", None), ("fp32", "fp8_e4m3:row"), ("fp32", "int8:head"
 # (headdim, dstate): odd sizes (partial tiles) and a whole-tile shape (the conventional EVEN path).
 SHAPES = ((5, 32), (64, 128))
 NHEADS, NGROUPS, RING, MAX_DRAFT = 4, 2, 4, 3
+DRAFT_LENGTHS = (1, 3, 2, 3, 3)  # drafts per verify round: a ring of 4 + 3 flushes early from the second 3
 
 
 def _inputs(g, batch, headdim, dstate, device, dtype, T=None):
@@ -51,10 +52,10 @@ def _finite(name, t, failures):
         failures.append(f"{name}: non-finite output")
 
 
-def conventional(device, formats, failures) -> int:
+def conventional(device, formats, failures, shapes=SHAPES) -> int:
     g = torch.Generator().manual_seed(0)
     calls = 0
-    for headdim, dstate in SHAPES:
+    for headdim, dstate in shapes:
         nslots = 7
         slots = torch.tensor([3, -1, 0, 6, 2], device=device)  # a padding row, slots out of order
         for fmt in formats:
@@ -88,12 +89,13 @@ def _cache(device, ck, rd, headdim, dstate, max_draft=0):
     return cache
 
 
-def replay(device, formats, failures, garbage=False) -> int:
+def replay(device, formats, failures, garbage=False, shapes=SHAPES, grouped=True) -> int:
     """Decode steps with staggered admissions (cursors differ, rows flush on different steps) at
-    batch 6 (per-head step kernel) and 64 (grouped: rows repeat slots across calls, not within)."""
+    batch 9 (per-head step kernel) and, with ``grouped``, 64 (the grouped kernel; each call names
+    8 distinct slots, the other rows padding)."""
     g = torch.Generator().manual_seed(3)
     calls = 0
-    for headdim, dstate in SHAPES:
+    for headdim, dstate in shapes:
         for ck, rd in formats:
             cache = _cache(device, ck, rd, headdim, dstate)
             if garbage:
@@ -108,7 +110,7 @@ def replay(device, formats, failures, garbage=False) -> int:
                 served = [i for i, s in enumerate(live) if not garbage or s not in (5, 6)]
                 _finite(f"replay {ck}/{rd} step {step}", out[served], failures)
             big = torch.arange(64, device=device) % 8
-            for start in range(0, 64, 8):  # the grouped kernel: 64 rows, one call per 8 distinct slots
+            for start in range(0, 64 if grouped else 0, 8):  # 64 rows, 8 distinct slots a call
                 rows = torch.full((64,), -1, device=device)
                 rows[start:start + 8] = big[start:start + 8]
                 replay_decode(cache, **_inputs(g, 64, headdim, dstate, device, torch.bfloat16), dt_softplus=True,
@@ -118,16 +120,17 @@ def replay(device, formats, failures, garbage=False) -> int:
     return calls
 
 
-def speculative(device, formats, failures, garbage=False) -> int:
+def speculative(device, formats, failures, garbage=False, shapes=SHAPES, draft_lengths=DRAFT_LENGTHS) -> int:
+    """Verify + commit rounds of T drafts (``draft_lengths``; later rounds flush early), accepted counts staggered."""
     g = torch.Generator().manual_seed(4)
     calls = 0
-    for headdim, dstate in SHAPES:
+    for headdim, dstate in shapes:
         for ck, rd in formats:
             cache = _cache(device, ck, rd, headdim, dstate, max_draft=MAX_DRAFT)
             if garbage:
                 cache.cursor[5] = 100000
                 cache.cursor[6] = -2
-            for rnd, T in enumerate((1, 3, 2, 3, 3)):
+            for rnd, T in enumerate(draft_lengths):
                 slots = torch.tensor([0, 1, -1, 2, 3, 4, 5, 6], device=device)
                 inp = _inputs(g, slots.numel(), headdim, dstate, device, torch.bfloat16, T=T)
                 out = replay_verify(cache, **inp, dt_softplus=True, slot_indices=slots)

@@ -47,8 +47,9 @@ def test_conventional_flags_the_poisoned_rows_slot_only(fmt, dstate):
     q = quantize(torch.randn(nslots, H, P, dstate, generator=g), fmt)
     rows = torch.tensor([2, 0, -1, 3])  # slot 1 idle, a padding row
     x = torch.randn(4, H, P, generator=g)
-    args = dict(dt=torch.rand(4, H, generator=g), A=-torch.rand(H, generator=g), B=torch.randn(4, G, dstate, generator=g),
-                C=torch.randn(4, G, dstate, generator=g), D=torch.randn(H, generator=g))
+    args = dict(dt=torch.rand(4, H, generator=g), A=-torch.rand(H, generator=g),
+                B=torch.randn(4, G, dstate, generator=g), C=torch.randn(4, G, dstate, generator=g),
+                D=torch.randn(H, generator=g))
     poisoned = x.clone()
     poisoned[1, 1, 2] = NAN  # slot 0
     poisoned[2] = NAN  # the padding row: no slot to flag
