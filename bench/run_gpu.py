@@ -21,7 +21,8 @@ import torch
 
 from . import harness
 
-CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_speculative", "bench.cases_exact_dot")
+CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_speculative", "bench.cases_exact_dot",
+                "bench.cases_isolation")
 # Only functions named check_codec / check_kernel / sweep_cases / eager_overhead / annotate and
 # cases registered with harness.register are used from each module.
 
