@@ -33,7 +33,7 @@ MODEL = "nemotron-h-8b"
 STEP_KERNELS = {"per-head": dict(heads_per_program=0), "grouped-h8": dict(heads_per_program=8),
                 "default": dict(heads_per_program=None)}
 _CACHE_FIELDS = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B", "cursor",
-                 "generation", "flush_rows", "flush_counters")
+                 "generation", "flush_rows", "flush_counters", "slot_flags")
 
 
 def inputs(batch, nheads, headdim, dstate, ngroups, *, device, dtype=torch.bfloat16, T=None, seed=0):

@@ -253,8 +253,10 @@ def eager_overhead(device, layer=LAYER):
             *(inp[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")), True, None, out,
             cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
             cache.ring_B, cache.cursor, cache.generation, cache.drafts, cache.flush_rows, cache.flush_counters,
-            checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=cache.seed)
-        launch_replay_commit(accepted, None, cache.cursor, cache.drafts, cache.commit_errors, cache.num_slots)
+            cache.slot_flags, checkpoint_format=cache.checkpoint_format, read_format=cache.read_format,
+            seed=cache.seed)
+        launch_replay_commit(accepted, None, cache.cursor, cache.drafts, cache.commit_errors, cache.slot_flags,
+                             cache.num_slots, cache.capacity)
 
     return dict(public_us=harness.eager_us(public), launcher_us=harness.eager_us(launchers))
 

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         replay.launch_replay_decode(
             x, dt, A, B, C, D, z, dt_bias, True, None, out, cache.checkpoint, cache.checkpoint_scale, cache.read,
             cache.read_scale, cache.ring_x, cache.ring_dt, cache.ring_B, cache.cursor, cache.generation,
-            cache.flush_rows, cache.flush_counters, checkpoint_format=fp32, read_format=cache.read_format, seed=0)
+            cache.flush_rows, cache.flush_counters, cache.slot_flags, checkpoint_format=fp32, read_format=cache.read_format, seed=0)
 
     draft_cache.drafts.fill_(4)  # what a verify records; the stubbed commit kernel never clears it
 
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
             drafts["x"], drafts["dt"], A, drafts["B"], drafts["C"], D, drafts["z"], dt_bias, True, None, draft_out,
             draft_cache.checkpoint, draft_cache.checkpoint_scale, draft_cache.read, draft_cache.read_scale,
             draft_cache.ring_x, draft_cache.ring_dt, draft_cache.ring_B, draft_cache.cursor, draft_cache.generation,
-            draft_cache.drafts, draft_cache.flush_rows, draft_cache.flush_counters, checkpoint_format=fp32,
+            draft_cache.drafts, draft_cache.flush_rows, draft_cache.flush_counters, draft_cache.slot_flags,
+            checkpoint_format=fp32,
             read_format=draft_cache.read_format, seed=0)
 
     def public_commit():
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
 
     def launcher_commit():
         speculative.launch_replay_commit(accepted, None, draft_cache.cursor, draft_cache.drafts,
-                                         draft_cache.commit_errors, 1)
+                                         draft_cache.commit_errors, draft_cache.slot_flags, 1, draft_cache.capacity)
 
     for name, fn in (("selective_state_update", public_conventional), ("  launcher", launcher_conventional),
                      ("replay_decode", public_replay), ("  launcher", launcher_replay),

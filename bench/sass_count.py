@@ -130,7 +130,7 @@ def launch_replay(read, checkpoint="fp32"):
             _bf16(BATCH, H, P), _bf16(BATCH, H), -torch.rand(H), _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H),
             _bf16(BATCH, H, P), torch.randn(H), True, None, _bf16(BATCH, H, P),
             *(t[k] for k in ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
-                             "cursor", "generation", "flush_rows", "flush_counters")),
+                             "cursor", "generation", "flush_rows", "flush_counters", "slot_flags")),
             checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=0,
             heads_per_program=heads_per_program)
     return launches
@@ -148,7 +148,7 @@ def launch_verify(read, T=4):
         _bf16(BATCH, T, H, P), _bf16(BATCH, T, H), -torch.rand(H), _bf16(BATCH, T, G, N), _bf16(BATCH, T, G, N),
         torch.ones(H), _bf16(BATCH, T, H, P), torch.randn(H), True, None, _bf16(BATCH, T, H, P),
         *(t[k] for k in ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
-                         "cursor", "generation", "drafts", "flush_rows", "flush_counters")),
+                         "cursor", "generation", "drafts", "flush_rows", "flush_counters", "slot_flags")),
         checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, seed=0)
     return launches
 

@@ -19,7 +19,7 @@ if not _torch.cuda.is_available():
 from . import formats, profiles, reference  # noqa: E402
 from .formats import QuantizedState, StateFormat, dequantize, quantize  # noqa: E402
 from .ops import selective_state_update  # noqa: E402
-from .cache import ReplayCache  # noqa: E402
+from .cache import SLOT_BAD_CURSOR, SLOT_NONFINITE, ReplayCache  # noqa: E402
 from .ops.replay import replay_decode  # noqa: E402
 from .ops.speculative import replay_check_commits, replay_commit, replay_verify  # noqa: E402
 from .ops.gated_delta import gated_delta_update  # noqa: E402
@@ -31,6 +31,8 @@ __version__ = "0.1.0"
 __all__ = [
     "QuantizedState",
     "ReplayCache",
+    "SLOT_BAD_CURSOR",
+    "SLOT_NONFINITE",
     "StateFormat",
     "GatedDeltaReplayCache",
     "dequantize",

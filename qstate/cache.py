@@ -15,6 +15,7 @@ tensor              shape                                              dtype
 ``cursor``          ``(slots,)``                                       int32: tokens in the ring
 ``drafts``          ``(slots,)``                                       int32: tentative tokens
 ``commit_errors``   ``(1,)``                                           int32: error bits
+``slot_flags``      ``(slots,)``                                       int32: flag bits
 ``generation``      ``(slots,)``                                       int32: flushes so far
 ``flush_rows``      ``(slots,)``                                       int32: scratch of a step
 ``flush_counters``  ``(2,)``                                           int32: scratch of a step
@@ -35,6 +36,25 @@ without it). ``drafts[s]`` counts the tokens a verify appended beyond the cursor
 to commit); ``commit_errors`` collects the bits of commits refused on the device
 (:func:`qstate.replay_check_commits` reads and clears them).
 
+``slot_flags[s]`` holds bits the kernels OR in on the device, sticky until the caller clears
+them (:meth:`ReplayCache.reset` clears the reset slots'; ``slot_flags.zero_()`` all). An engine
+reads them whenever it likes, e.g. copied to the host asynchronously with the outputs; no op
+syncs for them:
+
+===================  =====  ==================================================================
+constant             bit    set when
+===================  =====  ==================================================================
+``SLOT_BAD_CURSOR``  1      the slot's ``cursor`` lies outside its ring (``0 ≤ cursor <
+                            capacity`` broken by memory a caller wrote), or a commit would move
+                            it there: the call outputs NaN for the row and writes nothing of
+                            the slot (not its ring, state, cursor or drafts)
+``SLOT_NONFINITE``   2      a NaN or ±inf reached one of the slot's outputs (replay decode,
+                            flush, verify) or a verify flush's new checkpoint: every input
+                            token, ring entry in use and state element reaches them. The values
+                            stay in the slot (formats.py, "Non-finite values", says what each
+                            state format stores for them); no other slot is read or written
+===================  =====  ==================================================================
+
 A serving engine that owns its memory builds a cache over its own tensors with
 :meth:`ReplayCache.from_tensors` (same shapes and dtypes as the table; the checkpoint, read
 copy and ring may be views into a larger pool as long as each is contiguous), then admits each
@@ -51,8 +71,12 @@ import torch
 
 from . import _validate
 from .formats import FLT_MIN, FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
+from .kernels.mamba2 import slot_flags as _slot_flags
 
-__all__ = ["ReplayCache"]
+__all__ = ["ReplayCache", "SLOT_BAD_CURSOR", "SLOT_NONFINITE"]
+
+SLOT_BAD_CURSOR = _slot_flags.SLOT_BAD_CURSOR.value
+SLOT_NONFINITE = _slot_flags.SLOT_NONFINITE.value
 
 SlotsLike = Union[torch.Tensor, Sequence[int], int]
 
@@ -82,6 +106,7 @@ class ReplayCache:
     max_draft: int = 0
     drafts: Optional[torch.Tensor] = None
     commit_errors: Optional[torch.Tensor] = None
+    slot_flags: Optional[torch.Tensor] = None
 
     def __setattr__(self, name, value):
         # The kernels take the seed as it is at each call: a seed set later is checked like one given.
@@ -90,11 +115,13 @@ class ReplayCache:
         super().__setattr__(name, value)
 
     def __post_init__(self):
-        # Caches built before speculative decoding existed get its two small counters here.
+        # Small counters not given get zeroed tensors here.
         if self.drafts is None:
             self.drafts = torch.zeros(self.cursor.shape, dtype=torch.int32, device=self.cursor.device)
         if self.commit_errors is None:
             self.commit_errors = torch.zeros((1,), dtype=torch.int32, device=self.cursor.device)
+        if self.slot_flags is None:
+            self.slot_flags = torch.zeros(self.cursor.shape, dtype=torch.int32, device=self.cursor.device)
 
     # ---------------------------------------------------------------- construction
 
@@ -159,13 +186,14 @@ class ReplayCache:
         read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
         read_scale: Optional[torch.Tensor] = None, seed: int = 0, max_draft: int = 0,
         drafts: Optional[torch.Tensor] = None, commit_errors: Optional[torch.Tensor] = None,
+        slot_flags: Optional[torch.Tensor] = None,
     ) -> "ReplayCache":
         """A cache over tensors the caller owns (shapes and dtypes in the module docstring).
 
         Nothing is copied or cleared: zero ``flush_rows``, ``flush_counters``, ``drafts`` and
         ``commit_errors`` and :meth:`reset` every slot before the first decode step. The ring's
-        length is ``ring_len + max_draft``; ``drafts`` and ``commit_errors`` are allocated
-        (zeroed) when not given. The kernels address a slot's ring at its cursor, so the
+        length is ``ring_len + max_draft``; ``drafts``, ``commit_errors`` and ``slot_flags`` are
+        allocated (zeroed) when not given. The kernels address a slot's ring at its cursor, so the
         cursors and drafts are read once here (one host sync) and must lie in the ring:
         ``0 <= cursor < ring_len + max_draft``, ``0 <= drafts <= max_draft`` and
         ``cursor + drafts <= ring_len + max_draft``.
@@ -182,7 +210,7 @@ class ReplayCache:
             checkpoint=checkpoint, checkpoint_scale=checkpoint_scale, read=read, read_scale=read_scale,
             ring_x=ring_x, ring_dt=ring_dt, ring_B=ring_B, cursor=cursor, generation=generation,
             flush_rows=flush_rows, flush_counters=flush_counters, seed=int(seed), max_draft=max_draft,
-            drafts=drafts, commit_errors=commit_errors,
+            drafts=drafts, commit_errors=commit_errors, slot_flags=slot_flags,
         )
         cache.validate()
         _check_ring_positions(cache)
@@ -207,6 +235,7 @@ class ReplayCache:
             "flush_counters": (self.flush_counters, (2,), torch.int32),
             "drafts": (self.drafts, (slots,), torch.int32),
             "commit_errors": (self.commit_errors, (1,), torch.int32),
+            "slot_flags": (self.slot_flags, (slots,), torch.int32),
         }
         fields = [("checkpoint_scale", self.checkpoint_scale, self.checkpoint_format),
                   ("read", self.read, self.read_format), ("read_scale", self.read_scale, self.read_format)]
@@ -278,7 +307,7 @@ class ReplayCache:
     def tensors(self) -> dict:
         """Every tensor of the cache by field name (None for absent ones)."""
         names = ("checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
-                 "cursor", "generation", "flush_rows", "flush_counters", "drafts", "commit_errors")
+                 "cursor", "generation", "flush_rows", "flush_counters", "drafts", "commit_errors", "slot_flags")
         return {n: getattr(self, n) for n in names}
 
     @property
@@ -334,7 +363,8 @@ class ReplayCache:
 
     def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None, *,
               generator: Optional[torch.Generator] = None) -> None:
-        """Admit sequences: checkpoint ← ``state`` (or zeros), read copy rebuilt, ring emptied.
+        """Admit sequences: checkpoint ← ``state`` (or zeros), read copy rebuilt, ring emptied,
+        ``slot_flags`` cleared.
 
         ``state (len(slots), nheads, headdim, dstate)``, floating point (the prefill's final
         state), any device. The checkpoint stores ``quantize(state, checkpoint_format)`` and the
@@ -365,6 +395,7 @@ class ReplayCache:
                 self.read_scale[idx] = rd.scale
         self.cursor[idx] = 0
         self.drafts[idx] = 0
+        self.slot_flags[idx] = 0
 
     def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values of the stored checkpoints of ``slots``: ``(n, nheads, headdim, dstate)``."""

@@ -157,7 +157,7 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device, dtype_code, granularity,
           stochastic, qmax, emax, dt_softplus, out_code, has_d, has_z, has_bias, has_slots, has_seed_tensor,
-          block_p, num_warps, variant, fused, maxnreg) -> _Plan:
+          block_p, num_warps, variant, fused, maxnreg, has_flags=False) -> _Plan:
     """Tile, variant, grid and constexprs of a launch: a function of the call's metadata, so an
     eager caller computes it once per signature."""
     on_gpu = device.type == "cuda"
@@ -181,7 +181,7 @@ def _plan(element_bytes, nheads, headdim, dstate, batch, heads_per_group, device
         HAS_SLOTS=has_slots, DT_SOFTPLUS=dt_softplus, SEED_FROM_PTR=has_seed_tensor, OUT_DTYPE=out_code,
         BLOCK_P=block_p, BLOCK_N=block_n, EVEN=variant.even and headdim % block_p == 0 and dstate == block_n,
         HEADS_PER_PROG=heads_per_prog, NUM_STAGES=variant.num_stages, PREFETCH=variant.prefetch,
-        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, PDL=use_pdl, num_warps=num_warps or warps,
+        SR_STREAM=variant.sr_stream, SR_ROUNDS=variant.sr_rounds, HAS_FLAGS=has_flags, PDL=use_pdl, num_warps=num_warps or warps,
         **pdl.launch_options(use_pdl), **register_cap(maxnreg, device),
     )
     return _Plan((sizes.cdiv(headdim, block_p), nheads // heads_per_prog, batch), constexprs)
@@ -194,7 +194,7 @@ def launch(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int,
     dt_softplus: bool, pad_slot_id: int, heads_per_group: int, block_p=None, num_warps=None, variant=None,
-    fused=None, maxnreg=None,
+    fused=None, maxnreg=None, slot_flags=None,
 ):
     """Launch the kernel on validated compact arguments.
 
@@ -207,12 +207,13 @@ def launch(
     ``maxnreg``: of :func:`launch_config`'s register cap (0: no cap), which applies to the default
     tile only.
     ``fused``: the fused arithmetic of row and head scales (default: on a GPU only).
+    ``slot_flags``: int32 ``(nslots,)`` the kernel ORs ``SLOT_NONFINITE`` into, or None.
     """
     grid, args, constexprs = _kernel_call(
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor,
         dtype_code=dtype_code, granularity=granularity, stochastic=stochastic, qmax=qmax, emax=emax,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads_per_group=heads_per_group, block_p=block_p,
-        num_warps=num_warps, variant=variant, fused=fused, maxnreg=maxnreg)
+        num_warps=num_warps, variant=variant, fused=fused, maxnreg=maxnreg, slot_flags=slot_flags)
     _launch(grid, args, constexprs, state.is_cuda)
 
 
@@ -220,8 +221,8 @@ def prepare(leading, *args, **kwargs) -> Optional[PreparedLaunch]:
     """After ``launch(*args, **kwargs)``: that launch prepared for the op's dispatch entry
     (common/launch.py), or None where it cannot be (``CompiledLaunch.prepare``). ``leading``:
     what the op's repeat calls pass as the kernel's first arguments, ``(state, state_scale, x,
-    dt, A, B, C, D, z, dt_bias, slot_indices, out, seed_tensor, seed)``, each the tensor given
-    to ``launch`` or one it is a view of at the same address."""
+    dt, A, B, C, D, z, dt_bias, slot_indices, out, slot_flags, seed_tensor, seed)``, each the
+    tensor given to ``launch`` or one it is a view of at the same address."""
     grid, kernel_args, constexprs = _kernel_call(*args, **kwargs)
     return _launch.prepare(grid, kernel_args, constexprs, leading, args[0].is_cuda)
 
@@ -229,7 +230,7 @@ def prepare(leading, *args, **kwargs) -> Optional[PreparedLaunch]:
 def _kernel_call(
     state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices, out, seed, seed_tensor, *,
     dtype_code, granularity, stochastic, qmax, emax, dt_softplus, pad_slot_id, heads_per_group, block_p=None,
-    num_warps=None, variant=None, fused=None, maxnreg=None,
+    num_warps=None, variant=None, fused=None, maxnreg=None, slot_flags=None,
 ):
     """``(grid, kernel arguments, constexprs)`` of :func:`launch`'s call."""
     batch, nheads, headdim = x.shape
@@ -238,7 +239,7 @@ def _kernel_call(
     plan = _plan(state.element_size(), nheads, headdim, dstate, batch, heads_per_group, state.device, dtype_code,
                  granularity, stochastic, qmax, emax, dt_softplus, out_code, D is not None, z is not None,
                  dt_bias is not None, slot_indices is not None, seed_tensor is not None, block_p, num_warps, variant,
-                 fused, maxnreg)
+                 fused, maxnreg, slot_flags is not None)
     state_strides = state.stride()
     if granularity == codec.GRAN_HEAD:
         scale_strides = (*state_scale.stride()[:2], 0)
@@ -251,7 +252,7 @@ def _kernel_call(
     out_strides = out.stride()
     args = (
         state, state_scale, x, dt, A, B, C, D, z, dt_bias, slot_indices,
-        out.view(torch.int16) if out_code == OUT_BF16 else out, seed_tensor, seed,
+        out.view(torch.int16) if out_code == OUT_BF16 else out, slot_flags, seed_tensor, seed,
         nslots, headdim, dstate, heads_per_group, pad_slot_id,
         state_strides[0], state_strides[1], state_strides[2], *scale_strides,
         x_strides[0], x_strides[1], dt_strides[0], dt_strides[1], B_strides[0], B_strides[1], C_strides[0],

@@ -8,6 +8,7 @@ from ..common import codec, pdl
 from ..common.constants import (BF16, FP32, FP8_E4M3, GRAN_BLOCK32, GRAN_HEAD, GRAN_NONE, GRAN_ROW, INT8,
                                 SR_NOISE8, SR_UNIFORM, SR_UNIFORM4)
 from ..common.softplus import softplus
+from .slot_flags import flag_nonfinite
 
 # Output dtypes (constexpr ``OUT_DTYPE``): bf16 is stored as its bits (int16).
 OUT_FP32 = tl.constexpr(0)
@@ -87,14 +88,14 @@ def _load_head(
 @triton.jit
 def _update_head(
     codes, old_scale, dt, x, z, B, C, seed,
-    state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+    state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr, flags_ptr,
     slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
     tile_mask, scale_mask, block_mask,
     s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
     EMAX: tl.constexpr, HW: tl.constexpr, FUSED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, OUT_DTYPE: tl.constexpr, SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_FLAGS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Dequantize, update, output, re-quantize and store one head's tile (loaded by _load_head)."""
     NB: tl.constexpr = BLOCK_N // 32
@@ -127,6 +128,9 @@ def _update_head(
     if HAS_Z:
         z = z.to(tl.float32)
         y = y * z * (1.0 / (1.0 + tl.exp(-z)))
+    if HAS_FLAGS:
+        # Every element of the new state reaches y (a NaN or ±inf times any C is non-finite).
+        flag_nonfinite(flags_ptr, slot, y, live_rows)
     y = tl.where(live_rows, y, tl.where(is_padding, 0.0, float("nan")))
     _store_output(out_ptr, y, batch_row, head, rows, row_mask, s_out_batch, s_out_head, OUT_DTYPE, HW)
 
@@ -207,7 +211,7 @@ def _update_head(
 @triton.jit(do_not_specialize=["seed"])
 def _conventional_kernel(
     state_ptr, scale_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr,
-    slot_ptr, out_ptr, seed_ptr, seed,
+    slot_ptr, out_ptr, flags_ptr, seed_ptr, seed,
     nslots, headdim, dstate, heads_per_group, pad_slot_id,
     s_state_slot, s_state_head, s_state_row,
     s_scale_slot, s_scale_head, s_scale_row,
@@ -219,7 +223,7 @@ def _conventional_kernel(
     DT_SOFTPLUS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, HEADS_PER_PROG: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr, PDL: tl.constexpr,
+    SR_STREAM: tl.constexpr, SR_ROUNDS: tl.constexpr, HAS_FLAGS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.grid_dependency(PDL)
     p_block = tl.program_id(0)
@@ -275,11 +279,12 @@ def _conventional_kernel(
                     s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
                 _update_head(
                     codes, old_scale, dt, x, z, B, C, seed, state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+                    flags_ptr,
                     slot, head, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
                     tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
                     s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
                     DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, FUSED, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
-                    SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
+                    SR_STREAM, SR_ROUNDS, HAS_FLAGS, BLOCK_P, BLOCK_N)
         else:
             codes, old_scale, dt, x, z = _load_head(
                 state_ptr, scale_ptr, x_ptr, dt_ptr, z_ptr, slot, head0, batch_row, rows, cols, row_mask,
@@ -298,9 +303,10 @@ def _conventional_kernel(
                     s_z_batch, s_z_head, GRAN, HAS_Z, BLOCK_P, BLOCK_N)
                 _update_head(
                     codes, old_scale, dt, x, z, B, C, seed, state_ptr, scale_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr,
+                    flags_ptr,
                     slot, head0 + i, nheads, batch_row, headdim, dstate, rows, cols, row_mask, live_rows, is_padding,
                     tile_mask, scale_mask, block_mask, s_state_slot, s_state_head, s_state_row,
                     s_scale_slot, s_scale_head, s_scale_row, s_out_batch, s_out_head,
                     DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, FUSED, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, OUT_DTYPE,
-                    SR_STREAM, SR_ROUNDS, BLOCK_P, BLOCK_N)
+                    SR_STREAM, SR_ROUNDS, HAS_FLAGS, BLOCK_P, BLOCK_N)
                 codes, old_scale, dt, x, z = next_codes, next_scale, next_dt, next_x, next_z

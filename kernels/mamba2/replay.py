@@ -159,7 +159,7 @@ def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, check
 def launch_replay_decode(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation,
-    flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
+    flush_rows, flush_counters, slot_flags, *, checkpoint_format, read_format, seed: int,
     step_block_p: Optional[int] = None, step_warps: Optional[int] = None,
     heads_per_program: Optional[int] = None, step_stages: Optional[int] = None,
 ):
@@ -173,7 +173,7 @@ def launch_replay_decode(
     on_gpu = x.is_cuda
     for launch, grid, args, constexprs in _decode_launches(
             x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read,
-            read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
+            read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags,
             checkpoint_format=checkpoint_format, read_format=read_format, seed=seed, step_block_p=step_block_p,
             step_warps=step_warps, heads_per_program=heads_per_program, step_stages=step_stages):
         launch(grid, args, constexprs, on_gpu)
@@ -184,8 +184,8 @@ def prepare_decode(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
     op's dispatch entry (common/launch.py), or None where they cannot be
     (``CompiledLaunch.prepare``). ``tensors``: what the op's repeat calls pass, ``(x, dt, A, B,
     C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read, read_scale, ring_x,
-    ring_dt, ring_B, cursor, generation, flush_rows, flush_counters)``, each the tensor given to
-    the launcher or one it is a view of at the same address."""
+    ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags)``, each the
+    tensor given to the launcher or one it is a view of at the same address."""
     on_gpu = args[0].is_cuda
     launches = [launch.prepare(grid, launch_args, constexprs, leading, on_gpu)
                 for (launch, grid, launch_args, constexprs), leading in zip(_decode_launches(*args, **kwargs),
@@ -196,14 +196,14 @@ def prepare_decode(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
 
 
 def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,
-                    read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters):
+                    read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags):
     """The tensor arguments that open the step and the flush kernels' argument lists, in order;
     ``x`` stands for absent optional pointers (never read: constexpr flags)."""
     has_read = read is not None
     z_arg = z if z is not None else x
     D_arg = D if D is not None else x
     slots_arg = slot_indices if slot_indices is not None else x
-    ring = (ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters)
+    ring = (ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags)
     state, state_scale = (read, read_scale) if has_read else (checkpoint, checkpoint_scale)
     step = (x, dt, A, B, C, D_arg, z_arg, dt_bias if dt_bias is not None else x, slots_arg, out, state,
             state_scale if state_scale is not None else x, *ring)
@@ -215,8 +215,8 @@ def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint
 
 def _decode_launches(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read, read_scale,
-    ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, *, checkpoint_format, read_format, seed,
-    step_block_p=None, step_warps=None, heads_per_program=None, step_stages=None,
+    ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags, *, checkpoint_format,
+    read_format, seed, step_block_p=None, step_warps=None, heads_per_program=None, step_stages=None,
 ):
     """``(CompiledLaunch, grid, args, constexprs)`` of :func:`launch_replay_decode`'s step and
     flush kernels, in launch order."""
@@ -230,7 +230,7 @@ def _decode_launches(
     step_leading, flush_leading = _decode_leading(
         x, dt, A, B, C, D, z, dt_bias, slot_indices, out, codec.storage_view(checkpoint, checkpoint_format),
         checkpoint_scale, codec.storage_view(read, read_format) if has_read else None, read_scale, ring_x, ring_dt,
-        ring_B, cursor, generation, flush_rows, flush_counters)
+        ring_B, cursor, generation, flush_rows, flush_counters, slot_flags)
     z_arg = z if z is not None else x
     x_strides, C_strides, z_strides, out_strides = x.stride(), C.stride(), z_arg.stride(), out.stride()
     B_strides = B.stride()

@@ -9,16 +9,18 @@ from ..common import pdl
 from ..common.gate import gate
 from ..common.softplus import softplus
 from .ring import fold_ring, head_tile, load_scaled_codes, load_state, process_dt, slot_of, store_state
+from .slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 
 
 @triton.jit
-def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                    HW: tl.constexpr):
+def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, flags_ptr, slot, HAS_D: tl.constexpr,
+                    HAS_Z: tl.constexpr, HW: tl.constexpr):
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x_t
     if HAS_Z:
         z = tl.load(z_ptrs, mask=mask_p, other=0.0).to(tl.float32)
         y = gate(y, z, HW)
+    flag_nonfinite(flags_ptr, slot, y, mask_p)
     tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
 
 
@@ -26,7 +28,7 @@ def _gate_and_store(y, x_t, y_ptrs, z_ptrs, mask_p, D_ptr, h, HAS_D: tl.constexp
 def _replay_step_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
     state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
-    flush_rows_ptr, flush_counters_ptr,
+    flush_rows_ptr, flush_counters_ptr, slot_flags_ptr,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_y_b, stride_y_h,
     num_slots, nheads, headdim, dstate, heads_per_group,
@@ -60,52 +62,58 @@ def _replay_step_kernel(
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
         B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
         n = tl.load(cursor_ptr + slot)
-        if STATE_FIRST:
-            state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
-        full = n == L - 1
-        ring_head = slot.to(tl.int64) * nheads + h
-        ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
-        tl.store(ring_x_ptr + (ring_head * L + n) * headdim + rows, x_t, mask=mask_p)
-        if p_tile == 0:
-            tl.store(ring_dt_ptr + ring_head * L + n, dt)
-            if h % heads_per_group == 0:
-                tl.store(ring_B_ptr + (ring_group * L + n) * dstate + cols, B_t, mask=mask_n)
-            if (h == 0) & full:
-                position = tl.atomic_add(flush_counters_ptr, 1)
-                tl.store(flush_rows_ptr + position, b)
-                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
-        if n != L - 1:
-            if not STATE_FIRST:
-                state, row_scale = load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads,
-                                                     headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
+        if cursor_outside(n, L):
+            # A cursor outside the ring (memory the caller wrote): the row outputs NaN, the slot is
+            # flagged and nothing of it is written.
+            flag_slot(slot_flags_ptr, slot, SLOT_BAD_CURSOR)
+            tl.store(y_ptrs, tl.full([BLOCK_P], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty), mask=mask_p)
+        else:
+            if STATE_FIRST:
                 state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
-            A = tl.load(A_ptr + h).to(tl.float32)
-            js = tl.arange(0, BLOCK_L)
-            older = js < n
-            current = js == n
-            dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=older, other=0.0)
-            dts = tl.where(current, dt, dts)  # [BLOCK_L]; zero after the current token
-            total = tl.sum(dts, axis=0)
-            since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
-            weights = tl.exp(A * since) * dts
-            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
-                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
-            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
-            x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
-                             mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-            x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
-            y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
-            y = tl.exp(A * total) * state_C + y_ring
-            _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
-                            mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
+            full = n == L - 1
+            ring_head = slot.to(tl.int64) * nheads + h
+            ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
+            tl.store(ring_x_ptr + (ring_head * L + n) * headdim + rows, x_t, mask=mask_p)
+            if p_tile == 0:
+                tl.store(ring_dt_ptr + ring_head * L + n, dt)
+                if h % heads_per_group == 0:
+                    tl.store(ring_B_ptr + (ring_group * L + n) * dstate + cols, B_t, mask=mask_n)
+                if (h == 0) & full:
+                    position = tl.atomic_add(flush_counters_ptr, 1)
+                    tl.store(flush_rows_ptr + position, b)
+                    tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+            if n != L - 1:
+                if not STATE_FIRST:
+                    state, row_scale = load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads,
+                                                         headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
+                    state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
+                A = tl.load(A_ptr + h).to(tl.float32)
+                js = tl.arange(0, BLOCK_L)
+                older = js < n
+                current = js == n
+                dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=older, other=0.0)
+                dts = tl.where(current, dt, dts)  # [BLOCK_L]; zero after the current token
+                total = tl.sum(dts, axis=0)
+                since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
+                weights = tl.exp(A * since) * dts
+                B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
+                                 mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
+                BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+                x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
+                                 mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+                x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
+                y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
+                y = tl.exp(A * total) * state_C + y_ring
+                _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
+                                mask_p, D_ptr, h, slot_flags_ptr, slot, HAS_D, HAS_Z, HW)
 
 
 @triton.jit
 def _replay_step_grouped_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
     state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr,
-    flush_rows_ptr, flush_counters_ptr,
+    flush_rows_ptr, flush_counters_ptr, slot_flags_ptr,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_y_b, stride_y_h,
     num_slots, nheads,
@@ -143,83 +151,91 @@ def _replay_step_grouped_kernel(
                  mask=mask_h[:, None] & mask_p[None, :])
     else:
         n = tl.load(cursor_ptr + slot)
-        full = n == L - 1
-        js = tl.arange(0, BLOCK_L)
-        older = js < n
-        current = js == n
-        dt = tl.load(dt_ptr + b * stride_dt_b + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
-        if HAS_BIAS:
-            dt += tl.load(dt_bias_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)
-        if SOFTPLUS:
-            dt = softplus(dt)
-        B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
-        ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
-        ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
-        if p_tile == 0:
-            # Appends: the program's dts, the group's B once (by the group's first program).
-            tl.store(ring_dt_ptr + ring_heads * L + n, dt, mask=mask_h)
-            if h0 % HEADS_PER_GROUP == 0:
-                tl.store(ring_B_ptr + (ring_group * L + n) * DSTATE + cols, B_t, mask=mask_n)
-            if (h0 == 0) & full:
-                position = tl.atomic_add(flush_counters_ptr, 1)
-                tl.store(flush_rows_ptr + position, b)
-                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
-        if n != L - 1:
-            A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
-            C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
-            # Ring weights of every head of the program, and B_j · C shared by all of them.
-            dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
-                          mask=mask_h[:, None] & older[None, :], other=0.0)
-            dts = tl.where(current[None, :], dt[:, None], dts)  # [BLOCK_H, BLOCK_L]; zero after the current token
-            total = tl.sum(dts, axis=1)  # [BLOCK_H]
-            weights = tl.exp(A[:, None] * (total[:, None] - tl.cumsum(dts, axis=1))) * dts  # [BLOCK_H, BLOCK_L]
-            decay = tl.exp(A * total)  # [BLOCK_H]
-            B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
-                             mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
-            BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
-            ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
-            if HAS_D:
-                D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
-            tile_mask = mask_p[:, None] & mask_n[None, :]
-            for i in tl.range(0, HEADS_PER_PROG, num_stages=LOOP_STAGES):
-                h = h0 + i
-                pick = lanes == i
-                ring_head = slot.to(tl.int64) * nheads + h
-                state, row_scale = load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
-                                                     nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
-                x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
-                state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
-                tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
-                x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
-                                 mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-                x_t = x_t.to(tl.float32)
-                x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
-                coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
-                y_ring = tl.sum(coef[:, None] * x_ring, axis=0)  # [BLOCK_P]
-                y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * state_C + y_ring
-                if HAS_D:
-                    y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
-                if HAS_Z:
-                    z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + rows, mask=mask_p, other=0.0).to(tl.float32)
-                    y = gate(y, z, HW)
-                y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
-                tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
+        if cursor_outside(n, L):
+            # A cursor outside the ring: NaN outputs, the slot flagged, nothing of it written.
+            flag_slot(slot_flags_ptr, slot, SLOT_BAD_CURSOR)
+            y_tile = y_ptr + b * stride_y_b + heads[:, None] * stride_y_h + rows[None, :]  # [BLOCK_H, BLOCK_P]
+            tl.store(y_tile, tl.full([BLOCK_H, BLOCK_P], float("nan"), tl.float32).to(y_tile.dtype.element_ty),
+                     mask=mask_h[:, None] & mask_p[None, :])
         else:
-            # A full row's output comes from the flush kernel: only its tokens join the ring, all
-            # the program's heads in one load and one store (a loop over heads made the step
-            # kernel of a flush step a chain of round trips: 27.5 µs at batch 256 on the H200).
-            mask_hp = mask_h[:, None] & mask_p[None, :]
-            x_heads = tl.load(x_ptr + b * stride_x_b + heads[:, None] * stride_x_h + rows[None, :], mask=mask_hp,
-                              other=0.0)  # [BLOCK_H, BLOCK_P]
-            tl.store(ring_x_ptr + (ring_heads[:, None] * L + n) * HEADDIM + rows[None, :], x_heads, mask=mask_hp)
+            full = n == L - 1
+            js = tl.arange(0, BLOCK_L)
+            older = js < n
+            current = js == n
+            dt = tl.load(dt_ptr + b * stride_dt_b + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+            if HAS_BIAS:
+                dt += tl.load(dt_bias_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)
+            if SOFTPLUS:
+                dt = softplus(dt)
+            B_t = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + cols, mask=mask_n, other=0.0)
+            ring_heads = slot.to(tl.int64) * nheads + heads  # [BLOCK_H]
+            ring_group = slot.to(tl.int64) * (nheads // HEADS_PER_GROUP) + g
+            if p_tile == 0:
+                # Appends: the program's dts, the group's B once (by the group's first program).
+                tl.store(ring_dt_ptr + ring_heads * L + n, dt, mask=mask_h)
+                if h0 % HEADS_PER_GROUP == 0:
+                    tl.store(ring_B_ptr + (ring_group * L + n) * DSTATE + cols, B_t, mask=mask_n)
+                if (h0 == 0) & full:
+                    position = tl.atomic_add(flush_counters_ptr, 1)
+                    tl.store(flush_rows_ptr + position, b)
+                    tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+            if n != L - 1:
+                A = tl.load(A_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+                C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+                # Ring weights of every head of the program, and B_j · C shared by all of them.
+                dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
+                              mask=mask_h[:, None] & older[None, :], other=0.0)
+                dts = tl.where(current[None, :], dt[:, None], dts)  # [BLOCK_H, BLOCK_L]; zero after the current token
+                total = tl.sum(dts, axis=1)  # [BLOCK_H]
+                weights = tl.exp(A[:, None] * (total[:, None] - tl.cumsum(dts, axis=1))) * dts  # [BLOCK_H, BLOCK_L]
+                decay = tl.exp(A * total)  # [BLOCK_H]
+                B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
+                                 mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
+                BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+                ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
+                if HAS_D:
+                    D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+                tile_mask = mask_p[:, None] & mask_n[None, :]
+                for i in tl.range(0, HEADS_PER_PROG, num_stages=LOOP_STAGES):
+                    h = h0 + i
+                    pick = lanes == i
+                    ring_head = slot.to(tl.int64) * nheads + h
+                    state, row_scale = load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
+                                                         nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
+                    x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
+                    state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
+                    tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
+                    x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
+                                     mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+                    x_t = x_t.to(tl.float32)
+                    x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
+                    coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
+                    y_ring = tl.sum(coef[:, None] * x_ring, axis=0)  # [BLOCK_P]
+                    y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * state_C + y_ring
+                    if HAS_D:
+                        y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
+                    if HAS_Z:
+                        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + rows, mask=mask_p, other=0.0).to(tl.float32)
+                        y = gate(y, z, HW)
+                    flag_nonfinite(slot_flags_ptr, slot, y, mask_p)
+                    y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + rows
+                    tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=mask_p)
+            else:
+                # A full row's output comes from the flush kernel: only its tokens join the ring, all
+                # the program's heads in one load and one store (a loop over heads made the step
+                # kernel of a flush step a chain of round trips: 27.5 µs at batch 256 on the H200).
+                mask_hp = mask_h[:, None] & mask_p[None, :]
+                x_heads = tl.load(x_ptr + b * stride_x_b + heads[:, None] * stride_x_h + rows[None, :], mask=mask_hp,
+                                  other=0.0)  # [BLOCK_H, BLOCK_P]
+                tl.store(ring_x_ptr + (ring_heads[:, None] * L + n) * HEADDIM + rows[None, :], x_heads, mask=mask_hp)
 
 
 @triton.jit
 def _replay_flush_kernel(
     x_ptr, A_ptr, C_ptr, D_ptr, z_ptr, slot_ptr, y_ptr,
     ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
-    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
+    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, slot_flags_ptr, seed,
     stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b, stride_y_h,
     batch, num_slots, headdim, dstate,
     NHEADS: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
@@ -266,7 +282,8 @@ def _replay_flush_kernel(
         new_state = decay * checkpoint + ring  # [BLOCK_P, BLOCK_N]
         x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
         _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
-                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, HAS_D, HAS_Z, HW)
+                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, slot_flags_ptr, slot,
+                        HAS_D, HAS_Z, HW)
         # Stochastic rounding: one Philox stream per (slot, flush), the element's row and octet as counter.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
         stored = store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
@@ -274,8 +291,9 @@ def _replay_flush_kernel(
         if HAS_READ:
             store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
                         NHEADS, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
-    # Every row's cursor moves on by one token (to 0 after a flush); the step kernel of this
-    # call has finished, so no program reads a cursor while it changes.
+    # Every row's cursor inside its ring moves on by one token (to 0 after a flush; one outside
+    # stays, its slot flagged by the step kernel); the step kernel of this call has finished,
+    # so no program reads a cursor while it changes.
     batch_rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = batch_rows < batch
     if HAS_SLOTS:
@@ -284,7 +302,7 @@ def _replay_flush_kernel(
         slots = tl.where(in_batch, batch_rows, -1)
     live = (slots >= 0) & (slots < num_slots)
     n = tl.load(cursor_ptr + slots, mask=live, other=0)
-    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
+    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live & ~cursor_outside(n, L))
     # The last program to finish empties the flush list: every program has read `count` by then.
     # An empty list needs no emptying, so then no program takes a ticket: on most steps of a
     # cycle the one atomic per program on one address was most of this kernel's time.

@@ -24,7 +24,9 @@ Verify, four launches that keep every decision on the device:
 
 Every live row's ``drafts[slot]`` becomes T. ``_commit_kernel`` moves ``cursor += accepted``
 and zeroes ``drafts``; a row with no pending drafts or ``accepted`` outside ``0 … drafts``
-leaves its slot untouched and sets a bit of ``commit_errors`` (1: no verify, 2: out of range).
+leaves its slot untouched and sets a bit of ``commit_errors`` (1: no verify, 2: out of range);
+a row whose cursor lies, or would land, outside the ring leaves its slot untouched and sets
+its ``slot_flags`` bit ``SLOT_BAD_CURSOR`` (so does the verify, whose row then outputs NaN).
 
 Baseline: ``_drafts_kernel`` updates the state over the T tokens in registers and stores the
 state after every token into ``intermediate[row, t]`` (T state writes per row);
@@ -196,7 +198,7 @@ def _verify_plan(batch, T, nheads, headdim, dstate, ngroups, cap, device, checkp
 def launch_replay_verify(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, slot_indices: Optional[torch.Tensor], out,
     checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
-    flush_rows, flush_counters, *, checkpoint_format, read_format, seed: int,
+    flush_rows, flush_counters, slot_flags, *, checkpoint_format, read_format, seed: int,
     block_p: Optional[int] = None, num_warps: Optional[int] = None,
 ):
     """Launch one verify. Arguments are validated (``qstate.ops.speculative``): x, z, out
@@ -227,17 +229,17 @@ def launch_replay_verify(
         C.stride(2), num_slots, dstate), plan.bc_constexprs, on_gpu)
     _launch_verify(plan.verify_grid, (
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out, codec.storage_view(state, state_fmt), state_scale_arg,
-        ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters,
+        ring_x, ring_dt, ring_B, BC, cursor, generation, drafts, flush_rows, flush_counters, slot_flags,
         *strides, num_slots, nheads, headdim, dstate, nheads // ngroups), plan.verify_constexprs, on_gpu)
     _launch_verify_flush(plan.flush_grid, (
         A, slots_arg, codec.storage_view(checkpoint, checkpoint_format),
         checkpoint_scale if checkpoint_scale is not None else dummy,
         codec.storage_view(read, read_format) if has_read else dummy, read_scale if read_scale is not None else dummy,
-        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, seed,
+        ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags, seed,
         nheads, headdim, dstate, nheads // ngroups), plan.flush_constexprs, on_gpu)
     _launch_flushed_rows(plan.rows_grid, (
         x, dt, A, B, C, D_arg, z_arg, bias_arg, slots_arg, out, codec.storage_view(state, state_fmt), state_scale_arg,
-        ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters,
+        ring_x, ring_dt, ring_B, BC, cursor, flush_rows, flush_counters, slot_flags,
         *strides, nheads, headdim, dstate, nheads // ngroups), plan.rows_constexprs, on_gpu)
 
 
@@ -248,13 +250,15 @@ def _commit_plan(batch, has_slots) -> tuple:
     return (sizes.cdiv(batch, block_r),), dict(HAS_SLOTS=has_slots, BLOCK_R=block_r, num_warps=4)
 
 
-def launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, num_slots: int):
-    """Launch one commit: ``num_accepted (batch,)`` int32/int64, ``slot_indices (batch,)`` or None."""
+def launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, num_slots: int,
+                         capacity: int):
+    """Launch one commit: ``num_accepted (batch,)`` int32/int64, ``slot_indices (batch,)`` or
+    None, ``capacity`` the ring's tokens (a new cursor must lie below it)."""
     batch = num_accepted.shape[0]
     grid, constexprs = _commit_plan(batch, slot_indices is not None)
     _launch_commit(grid, (
         num_accepted, slot_indices if slot_indices is not None else num_accepted, cursor, drafts, commit_errors,
-        batch, num_slots), constexprs, num_accepted.is_cuda)
+        slot_flags, batch, num_slots, capacity), constexprs, num_accepted.is_cuda)
 
 
 @functools.lru_cache(maxsize=1024)

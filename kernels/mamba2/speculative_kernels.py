@@ -10,6 +10,7 @@ from ..common import exact_dot
 from ..common.gate import gate
 from ..common.softplus import softplus
 from .ring import fold_ring, head_tile, load_scaled_codes, load_state, process_dt, slot_of, store_state
+from .slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 
 
 # Bits of ``commit_errors`` the commit kernel sets.
@@ -19,7 +20,8 @@ ERROR_ACCEPTED_RANGE = tl.constexpr(2)
 @triton.jit
 def _store_unserved(y_row_ptr, stride_y_t, slot, mask_p, T: tl.constexpr, BLOCK_P: tl.constexpr):
     """The T outputs of a row the kernel does not serve: padding (slot < 0) outputs zeros, an
-    index past the cache (unchecked on a GPU, to avoid a sync) NaN."""
+    index past the cache (unchecked on a GPU, to avoid a sync) or a live slot whose cursor lies
+    outside its ring NaN."""
     bad = (tl.zeros([BLOCK_P], tl.float32) + tl.where(slot < 0, 0.0, float("nan"))).to(y_row_ptr.dtype.element_ty)
     for i in tl.static_range(T):
         tl.store(y_row_ptr + i * stride_y_t, bad, mask=mask_p)
@@ -36,7 +38,7 @@ def _flushes(n, T: tl.constexpr, CAP: tl.constexpr):
 def _draft_outputs(
     state_ptr, state_scale_ptr, slot, n, b, h, g, rows, cols, mask_p, mask_n, A,
     x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-    p_tile, nheads, heads_per_group,
+    slot_flags_ptr, p_tile, nheads, heads_per_group,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     headdim, dstate,
@@ -119,6 +121,7 @@ def _draft_outputs(
         y += tl.load(D_ptr + h).to(tl.float32) * x_d.to(tl.float32)
     if HAS_Z:
         y = gate(y, z_d, HW)
+    flag_nonfinite(slot_flags_ptr, slot, y, tile_t)
     y_tile = y_ptr + b * stride_y_b + ts[None, :] * stride_y_t + h * stride_y_h + rows[:, None]
     tl.store(y_tile, y.to(y_tile.dtype.element_ty), mask=tile_t)
     tl.store(ring_x_ptr + (ring_head * CAP + position[None, :]) * headdim + rows[:, None], x_d, mask=tile_t)
@@ -148,33 +151,34 @@ def _group_BC_kernel(
     slot = slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot >= 0) & (slot < num_slots):
         n = tl.load(cursor_ptr + slot)
-        n = tl.where(_flushes(n, T, CAP), 0, n)  # a flushing row's drafts start at 0
-        cols = tl.arange(0, BLOCK_N)
-        mask_n = cols < dstate
-        js = tl.arange(0, BLOCK_J)
-        ts = tl.arange(0, BLOCK_T)
-        committed = js < n
-        is_draft = (js >= n) & (js < n + T)
-        d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
-        ring_group = slot.to(tl.int64) * ngroups + g
-        B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
-                         mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
-                        mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
-        BC = tl.zeros([BLOCK_J, BLOCK_T], tl.float32)
-        for i in tl.static_range(T):
-            C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
-                          other=0.0).to(tl.float32)
-            BC = tl.where(ts[None, :] == i, tl.sum(B_all * C_i[None, :], axis=1)[:, None], BC)
-        tl.store(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :], BC)
+        if not cursor_outside(n, CAP):  # a bad cursor: the verify reads no BC of the row
+            n = tl.where(_flushes(n, T, CAP), 0, n)  # a flushing row's drafts start at 0
+            cols = tl.arange(0, BLOCK_N)
+            mask_n = cols < dstate
+            js = tl.arange(0, BLOCK_J)
+            ts = tl.arange(0, BLOCK_T)
+            committed = js < n
+            is_draft = (js >= n) & (js < n + T)
+            d = tl.where(is_draft, js - n, 0)  # [BLOCK_J] draft index of each position
+            ring_group = slot.to(tl.int64) * ngroups + g
+            B_ring = tl.load(ring_B_ptr + (ring_group * CAP + js[:, None]) * dstate + cols[None, :],
+                             mask=committed[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_new = tl.load(B_ptr + b * stride_B_b + d[:, None] * stride_B_t + g * stride_B_g + cols[None, :],
+                            mask=is_draft[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            B_all = tl.where(committed[:, None], B_ring, B_new)  # [BLOCK_J, BLOCK_N]
+            BC = tl.zeros([BLOCK_J, BLOCK_T], tl.float32)
+            for i in tl.static_range(T):
+                C_i = tl.load(C_ptr + b * stride_C_b + i * stride_C_t + g * stride_C_g + cols, mask=mask_n,
+                              other=0.0).to(tl.float32)
+                BC = tl.where(ts[None, :] == i, tl.sum(B_all * C_i[None, :], axis=1)[:, None], BC)
+            tl.store(BC_ptr + ((b * ngroups + g) * BLOCK_J + js[:, None]) * BLOCK_T + ts[None, :], BC)
 
 
 @triton.jit
 def _verify_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
     state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr, cursor_ptr, generation_ptr,
-    drafts_ptr, flush_rows_ptr, flush_counters_ptr,
+    drafts_ptr, flush_rows_ptr, flush_counters_ptr, slot_flags_ptr,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     num_slots, nheads, headdim, dstate, heads_per_group,
@@ -191,30 +195,35 @@ def _verify_kernel(
         _store_unserved(y_ptr + b * stride_y_b + h * stride_y_h + rows, stride_y_t, slot, mask_p, T, BLOCK_P)
     else:
         n = tl.load(cursor_ptr + slot)
-        flush = _flushes(n, T, CAP)
-        if (h == 0) & (p_tile == 0):
-            tl.store(drafts_ptr + slot, T)
-            if flush:
-                position = tl.atomic_add(flush_counters_ptr, 1)
-                tl.store(flush_rows_ptr + position, b)
-                tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
-        if not flush:
-            _draft_outputs(
-                state_ptr, state_scale_ptr, slot, n, b, h, g, rows, cols, mask_p, mask_n,
-                tl.load(A_ptr + h).to(tl.float32),
-                x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-                p_tile, nheads, heads_per_group,
-                stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-                stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
-                stride_y_h, headdim, dstate, CAP, T, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J,
-                C_PARTS, BLOCK_J, BLOCK_P, BLOCK_N, BLOCK_T,
-            )
+        if cursor_outside(n, CAP):
+            # A cursor outside the ring: NaN outputs, the slot flagged, nothing of it written.
+            flag_slot(slot_flags_ptr, slot, SLOT_BAD_CURSOR)
+            _store_unserved(y_ptr + b * stride_y_b + h * stride_y_h + rows, stride_y_t, slot, mask_p, T, BLOCK_P)
+        else:
+            flush = _flushes(n, T, CAP)
+            if (h == 0) & (p_tile == 0):
+                tl.store(drafts_ptr + slot, T)
+                if flush:
+                    position = tl.atomic_add(flush_counters_ptr, 1)
+                    tl.store(flush_rows_ptr + position, b)
+                    tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+            if not flush:
+                _draft_outputs(
+                    state_ptr, state_scale_ptr, slot, n, b, h, g, rows, cols, mask_p, mask_n,
+                    tl.load(A_ptr + h).to(tl.float32),
+                    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+                    BC_ptr, slot_flags_ptr, p_tile, nheads, heads_per_group,
+                    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+                    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
+                    stride_y_h, headdim, dstate, CAP, T, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_J,
+                    C_PARTS, BLOCK_J, BLOCK_P, BLOCK_N, BLOCK_T,
+                )
 
 
 @triton.jit
 def _verify_flush_kernel(
     A_ptr, slot_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
-    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, seed,
+    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, slot_flags_ptr, seed,
     nheads, headdim, dstate, heads_per_group,
     CAP: tl.constexpr,
     CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
@@ -243,9 +252,11 @@ def _verify_flush_kernel(
                                 CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
         # Stochastic rounding: one Philox stream per (slot, flush), as the replay flush draws it.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
-        stored = store_state(tl.exp(A * total) * checkpoint + ring, mask, ck_ptr, ck_scale_ptr, stream, slot, h,
-                             rows, cols, nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW,
-                             BLOCK_P, BLOCK_N)
+        new_state = tl.exp(A * total) * checkpoint + ring
+        # A row's sum is non-finite where one of its elements is (this kernel computes no outputs).
+        flag_nonfinite(slot_flags_ptr, slot, tl.sum(new_state, axis=1), mask_p)
+        stored = store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols, nheads, headdim,
+                             dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
         if HAS_READ:
             store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
                         nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
@@ -255,7 +266,7 @@ def _verify_flush_kernel(
 def _verify_flushed_rows_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
     state_ptr, state_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr, cursor_ptr,
-    flush_rows_ptr, flush_counters_ptr,
+    flush_rows_ptr, flush_counters_ptr, slot_flags_ptr,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t, stride_y_h,
     nheads, headdim, dstate, heads_per_group,
@@ -279,7 +290,7 @@ def _verify_flushed_rows_kernel(
         _draft_outputs(
             state_ptr, state_scale_ptr, slot, 0, b, h, g, rows, cols, mask_p, mask_n, A,
             x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr, BC_ptr,
-            p_tile, nheads, heads_per_group,
+            slot_flags_ptr, p_tile, nheads, heads_per_group,
             stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
             stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_z_h, stride_y_b, stride_y_t,
             stride_y_h, headdim, dstate, CAP, T, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BC_ROWS, C_PARTS,
@@ -305,8 +316,8 @@ def _verify_flushed_rows_kernel(
 
 
 @triton.jit
-def _commit_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, errors_ptr, batch, num_slots,
-                   HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
+def _commit_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, errors_ptr, slot_flags_ptr, batch, num_slots,
+                   capacity, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
     batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = batch_rows < batch
     if HAS_SLOTS:
@@ -318,8 +329,12 @@ def _commit_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, errors_ptr, b
     pending = tl.load(drafts_ptr + slots, mask=live, other=0)
     no_verify = live & (pending == 0)
     out_of_range = live & (pending > 0) & ((accepted < 0) | (accepted > pending))
+    n = tl.load(cursor_ptr + slots, mask=live, other=0)
     ok = live & (pending > 0) & (accepted >= 0) & (accepted <= pending)
-    n = tl.load(cursor_ptr + slots, mask=ok, other=0)
+    # A cursor outside the ring, or a move out of it (garbage drafts): the slot is flagged and left as it is.
+    outside = (live & cursor_outside(n, capacity)) | (ok & cursor_outside(n + accepted, capacity))
+    ok = ok & ~outside
+    tl.atomic_or(slot_flags_ptr + slots, tl.full([BLOCK_R], SLOT_BAD_CURSOR, tl.int32), mask=outside)
     tl.store(cursor_ptr + slots, n + accepted, mask=ok)
     tl.store(drafts_ptr + slots, tl.zeros([BLOCK_R], tl.int32), mask=ok)
     bits = (tl.max(no_verify.to(tl.int32), axis=0) * ERROR_NO_VERIFY

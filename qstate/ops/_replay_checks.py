@@ -92,7 +92,7 @@ def cache_layout(cache, launched: bool = False):
 def ring_state(cache: ReplayCache) -> tuple:
     """The cache's tensors a replay step reads and writes, in the launchers' order."""
     return (cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
-            cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters)
+            cache.ring_B, cache.cursor, cache.generation, cache.flush_rows, cache.flush_counters, cache.slot_flags)
 
 
 def check_ring_inputs(cache: ReplayCache, x: torch.Tensor, B: torch.Tensor, dt_softplus) -> None:

@@ -19,14 +19,14 @@ _OP_NAME = "qstate::selective_state_update"
 
 
 def _launch_arguments(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out,
-                      state_format, pad_slot_id, seed, seed_tensor):
+                      state_format, pad_slot_id, seed, seed_tensor, slot_flags):
     """``(args, kwargs)`` of the kernel launcher for the op's arguments."""
     consts = _common.format_constants(state_format)
     return ((_kernel.codec.storage_view(state, consts.fmt), state_scale, x, dt, A, B, C, D, z, dt_bias,
              state_batch_indices, out, seed, seed_tensor),
             dict(dtype_code=consts.dtype_code, granularity=consts.granularity, stochastic=consts.stochastic,
                  qmax=consts.qmax, emax=consts.emax, dt_softplus=dt_softplus, pad_slot_id=pad_slot_id,
-                 heads_per_group=x.shape[1] // B.shape[1]))
+                 heads_per_group=x.shape[1] // B.shape[1], slot_flags=slot_flags))
 
 
 def _selective_state_update_impl(
@@ -34,13 +34,16 @@ def _selective_state_update_impl(
     A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
     dt_bias: Optional[torch.Tensor], dt_softplus: bool, state_batch_indices: Optional[torch.Tensor],
     out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int, seed_tensor: Optional[torch.Tensor],
+    slot_flags: Optional[torch.Tensor],
 ) -> None:
     args, kwargs = _launch_arguments(state, state_scale, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                     state_batch_indices, out, state_format, pad_slot_id, seed, seed_tensor)
+                                     state_batch_indices, out, state_format, pad_slot_id, seed, seed_tensor,
+                                     slot_flags)
     _kernel.launch(*args, **kwargs)
 
 
-_selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl, ("state", "state_scale", "out"))
+_selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl,
+                                         ("state", "state_scale", "out", "slot_flags"))
 _DISPATCH = Dispatch(_OP_NAME)
 
 
@@ -63,7 +66,7 @@ def _resolve_seed(seed, consts, device):
 
 
 def _check_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, state_scale,
-                state_format, pad_slot_id, out) -> None:
+                state_format, pad_slot_id, out, slot_flags) -> None:
     """Every check of :func:`selective_state_update` that reads only metadata (its signature)."""
     consts = _common.resolve_format(state_format, state)
     _common.check_state(state, state_scale, consts)
@@ -100,6 +103,14 @@ def _check_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
     _common.bool_flag("dt_softplus", dt_softplus)
     if out is not None:
         _common.check_out(out, x)
+    if slot_flags is not None:
+        _validate.tensor("slot_flags", slot_flags, ndim=1, floating=False)
+        _validate.shape("slot_flags", slot_flags, (nslots,), "(nslots,)")
+        if slot_flags.dtype != torch.int32:
+            raise TypeError(f"slot_flags: expected dtype torch.int32, got {slot_flags.dtype}")
+        _common.same_device(state.device, slot_flags=slot_flags)
+        if not slot_flags.is_contiguous():
+            raise ValueError(f"slot_flags: expected a contiguous tensor, got strides {slot_flags.stride()}")
 
 
 def selective_state_update(
@@ -108,6 +119,7 @@ def selective_state_update(
     dt_softplus: bool = False, state_batch_indices: Optional[torch.Tensor] = None, *,
     state_scale: Optional[torch.Tensor] = None, state_format: Optional[str] = None, pad_slot_id: int = -1,
     out: Optional[torch.Tensor] = None, seed: Union[None, int, torch.Tensor] = None,
+    slot_flags: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One Mamba-2 decode token, the state stored in any format and updated in place.
 
@@ -146,24 +158,28 @@ def selective_state_update(
     GPU (no sync) such rows are the caller's contract: a row ``≥ nslots`` outputs NaN and
     writes nothing, two rows of one slot race. A state whose slot stride is 0 raises. A NaN or inf in a row's inputs stays in that row: its output and its
     slot's state may become NaN, inf or saturated codes (with scales of no use); no other slot
-    is read or written. Returns ``out`` (allocated like ``x`` when None).
+    is read or written. ``slot_flags``: None, or an int32 ``(nslots,)`` tensor on the state's
+    device into which the kernel ORs ``qstate.SLOT_NONFINITE`` (2) for the slot of every row
+    whose output meets a NaN or ±inf (every element of the row's new state reaches it); nothing
+    else writes or clears it and no sync reads it. Returns ``out`` (allocated like ``x`` when None).
     """
     # The signature (a tensor seed by its dtype: another kernel) fixes every argument of the launch
     # but the tensors' addresses and the seed (kernels/README.md#dispatch).
     signature = (state_format, type(dt_softplus), dt_softplus, type(pad_slot_id), pad_slot_id,
                  seed.dtype if isinstance(seed, torch.Tensor) else None,
                  *map(_signature.tensor_meta, (state, state_scale, x, dt, A, B, C, D, z, dt_bias,
-                                               state_batch_indices, out)))
+                                               state_batch_indices, out, slot_flags)))
     entry = _DISPATCH.entry(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                            state_batch_indices, state_scale, state_format, pad_slot_id, out)
+                            state_batch_indices, state_scale, state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
     if state_batch_indices is not None:
         _common.check_slot_values(state_batch_indices, state.shape[0], pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
     seed_value, seed_tensor = _resolve_seed(seed, consts, state.device)
-    # In the kernel's order: the seed tensor before the seed.
-    given = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, seed_tensor, seed_value)
+    # In the kernel's order: the flags and the seed tensor before the seed.
+    given = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, slot_flags, seed_tensor,
+             seed_value)
     run_eagerly = eager(state)
     if run_eagerly and entry.launch(*given):
         return out
@@ -171,7 +187,7 @@ def selective_state_update(
     compact_A, compact_D, compact_dt_bias = (_common.per_head_vector(n, t) for n, t in
                                              (("A", compact_A), ("D", compact_D), ("dt_bias", compact_dt_bias)))
     args = (state, state_scale, x, compact_dt, compact_A, B, C, compact_D, z, compact_dt_bias, dt_softplus,
-            state_batch_indices, out, str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
+            state_batch_indices, out, str(consts.fmt), pad_slot_id, seed_value, seed_tensor, slot_flags)
     _selective_state_update_op(*args)
     if run_eagerly and entry.unprepared:
         launch_args, launch_kwargs = _launch_arguments(*args)

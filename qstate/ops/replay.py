@@ -24,7 +24,7 @@ from ._register import eager, mutating_op
 __all__ = ["replay_decode"]
 
 _MUTATED = ("out", "checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
-            "cursor", "generation", "flush_rows", "flush_counters")
+            "cursor", "generation", "flush_rows", "flush_counters", "slot_flags")
 
 
 def _replay_decode_impl(
@@ -34,12 +34,12 @@ def _replay_decode_impl(
     checkpoint: torch.Tensor, checkpoint_scale: Optional[torch.Tensor], read: Optional[torch.Tensor],
     read_scale: Optional[torch.Tensor], ring_x: torch.Tensor, ring_dt: torch.Tensor, ring_B: torch.Tensor,
     cursor: torch.Tensor, generation: torch.Tensor, flush_rows: torch.Tensor, flush_counters: torch.Tensor,
-    checkpoint_format: str, read_format: Optional[str], seed: int,
+    slot_flags: torch.Tensor, checkpoint_format: str, read_format: Optional[str], seed: int,
 ) -> None:
     args, kwargs = _launch_arguments(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read,
-        read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, checkpoint_format,
-        read_format, seed)
+        read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags,
+        checkpoint_format, read_format, seed)
     _kernel.launch_replay_decode(*args, **kwargs)
 
 
@@ -124,7 +124,10 @@ def replay_decode(
     checkpoint and its read copy are written. Padding rows output zeros and write nothing.
     Slots may not repeat within a call. A NaN or inf in a row's inputs stays in that row: it
     reaches the row's outputs from then on and, at the slot's next flush, its checkpoint and
-    read copy (NaN, inf or saturated codes); no other slot is read or written. Returns
+    read copy (NaN, inf or saturated codes); no other slot is read or written; the slot's
+    ``cache.slot_flags`` gets ``SLOT_NONFINITE`` when a non-finite value reaches its output. A
+    cursor outside the ring (memory a caller wrote) is met on the device: the row outputs NaN,
+    nothing of its slot is written and its flags get ``SLOT_BAD_CURSOR``. Returns
     ``y (batch, nheads, headdim)`` (``out`` if given).
     """
     # The signature holds the cache's tensors' metadata, formats and seed: with the call's, every

@@ -30,7 +30,7 @@ __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_
            "commit_drafts"]
 
 _VERIFY_MUTATED = ("out", "checkpoint", "checkpoint_scale", "read", "read_scale", "ring_x", "ring_dt", "ring_B",
-                   "cursor", "generation", "drafts", "flush_rows", "flush_counters")
+                   "cursor", "generation", "drafts", "flush_rows", "flush_counters", "slot_flags")
 
 
 def _replay_verify_impl(
@@ -40,14 +40,15 @@ def _replay_verify_impl(
     checkpoint: torch.Tensor, checkpoint_scale: Optional[torch.Tensor], read: Optional[torch.Tensor],
     read_scale: Optional[torch.Tensor], ring_x: torch.Tensor, ring_dt: torch.Tensor, ring_B: torch.Tensor,
     cursor: torch.Tensor, generation: torch.Tensor, drafts: torch.Tensor, flush_rows: torch.Tensor,
-    flush_counters: torch.Tensor, checkpoint_format: str, read_format: Optional[str], seed: int,
+    flush_counters: torch.Tensor, slot_flags: torch.Tensor, checkpoint_format: str, read_format: Optional[str],
+    seed: int,
 ) -> None:
     from ..kernels.mamba2.speculative import launch_replay_verify
 
     launch_replay_verify(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
         checkpoint, checkpoint_scale, read, read_scale, ring_x, ring_dt, ring_B, cursor, generation, drafts,
-        flush_rows, flush_counters, checkpoint_format=_common.format_constants(checkpoint_format).fmt,
+        flush_rows, flush_counters, slot_flags, checkpoint_format=_common.format_constants(checkpoint_format).fmt,
         read_format=None if read_format is None else _common.format_constants(read_format).fmt, seed=seed,
     )
 
@@ -56,13 +57,16 @@ _replay_verify_op = mutating_op("qstate::replay_verify", _replay_verify_impl, _V
 
 
 def _replay_commit_impl(num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor], cursor: torch.Tensor,
-                        drafts: torch.Tensor, commit_errors: torch.Tensor) -> None:
+                        drafts: torch.Tensor, commit_errors: torch.Tensor, slot_flags: torch.Tensor,
+                        capacity: int) -> None:
     from ..kernels.mamba2.speculative import launch_replay_commit
 
-    launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, cursor.shape[0])
+    launch_replay_commit(num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, cursor.shape[0],
+                         capacity)
 
 
-_replay_commit_op = mutating_op("qstate::replay_commit", _replay_commit_impl, ("cursor", "drafts", "commit_errors"))
+_replay_commit_op = mutating_op("qstate::replay_commit", _replay_commit_impl,
+                                ("cursor", "drafts", "commit_errors", "slot_flags"))
 
 
 def _drafts_impl(
@@ -201,7 +205,9 @@ def replay_verify(
     checkpoint), the read copy is rebuilt, the cursor becomes 0 and the outputs read the new
     read copy. The decision is taken on the device. Requires ``T ≤ cache.max_draft``; each
     verify must be followed by a :func:`replay_commit` of the same slots (a second verify
-    replaces the pending drafts). Returns ``out``.
+    replaces the pending drafts). A non-finite value reaching a row's outputs (or a flush's new
+    checkpoint) sets ``SLOT_NONFINITE`` in its slot's ``cache.slot_flags``; a cursor outside the
+    ring sets ``SLOT_BAD_CURSOR``, and the row outputs NaN and writes nothing. Returns ``out``.
     """
     out, _ = _replay_checks.checked_ring_call(_VERIFY_DISPATCH, _check_verify_args, cache, x, dt, A, B, C, D, z,
                                               dt_bias, dt_softplus, slot_indices, out)
@@ -212,7 +218,7 @@ def replay_verify(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out,
         cache.checkpoint, cache.checkpoint_scale, cache.read, cache.read_scale, cache.ring_x, cache.ring_dt,
         cache.ring_B, cache.cursor, cache.generation, cache.drafts, cache.flush_rows, cache.flush_counters,
-        str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format), cache.seed,
+        cache.slot_flags, str(cache.checkpoint_format), None if cache.read_format is None else str(cache.read_format), cache.seed,
     )
     return out
 
@@ -226,7 +232,9 @@ def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: 
     records into CUDA graphs. A row whose slot has no pending verify, or whose ``num_accepted``
     is outside ``0 … T``, is an error: on CPU tensors it raises ``ValueError`` here (and
     nothing is changed); on a GPU that row's slot is left untouched and
-    :func:`replay_check_commits` raises.
+    :func:`replay_check_commits` raises. A slot whose cursor lies, or would land, outside its
+    ring (memory a caller wrote) is left untouched and gets ``SLOT_BAD_CURSOR`` in
+    ``cache.slot_flags``.
     """
     if not isinstance(cache, ReplayCache):
         raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
@@ -251,7 +259,8 @@ def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: 
         if bool(wrong.any()):
             raise ValueError(f"num_accepted: expected values in 0 … T = {pending[wrong].tolist()} (drafts verified), "
                              f"got {accepted[wrong].tolist()}")
-    _replay_commit_op(num_accepted, slot_indices, cache.cursor, cache.drafts, cache.commit_errors)
+    _replay_commit_op(num_accepted, slot_indices, cache.cursor, cache.drafts, cache.commit_errors, cache.slot_flags,
+                      cache.capacity)
 
 
 def replay_check_commits(cache: ReplayCache) -> None:

@@ -174,7 +174,7 @@ def test_an_eager_decode_repeat_launches_what_the_full_path_would(stand_in_kerne
     expected = replay_kernels._decode_launches(
         s["x"], s["dt"], s["A"], s["B"], s["C"], s["D"], s["z"], s["dt_bias"], True, s["slot_indices"], s["out"],
         c.checkpoint, c.checkpoint_scale, c.read, c.read_scale, c.ring_x, c.ring_dt, c.ring_B, c.cursor,
-        c.generation, c.flush_rows, c.flush_counters, checkpoint_format=c.checkpoint_format,
+        c.generation, c.flush_rows, c.flush_counters, c.slot_flags, checkpoint_format=c.checkpoint_format,
         read_format=c.read_format, seed=c.seed)
     for bound, launched, (launch, _, args, constexprs) in zip(log[:2], log[2:], expected):
         assert bound[3] == constexprs

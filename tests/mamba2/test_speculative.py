@@ -265,7 +265,8 @@ def test_commit_errors_and_bad_input():
     assert cache.cursor.tolist() == [2, 1] and cache.drafts.tolist() == [0, 0]
     # The device path: the kernel refuses a commit without a verify and records it.
     from qstate.ops.speculative import _replay_commit_op
-    _replay_commit_op(torch.tensor([1, 1], dtype=torch.int32), None, cache.cursor, cache.drafts, cache.commit_errors)
+    _replay_commit_op(torch.tensor([1, 1], dtype=torch.int32), None, cache.cursor, cache.drafts, cache.commit_errors,
+                      cache.slot_flags, cache.capacity)
     assert cache.cursor.tolist() == [2, 1]
     with pytest.raises(ValueError, match="without a pending replay_verify"):
         replay_check_commits(cache)
