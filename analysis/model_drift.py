@@ -11,6 +11,12 @@ decode step it records
 * ``top1``: whether the two argmax tokens agree;
 * ``max_abs_logit``: ``max |logit_scheme − logit_ref|`` over the vocabulary.
 
+A replay scheme's logits depend on where the step stands in its ring's cycle (the flushing
+token's outputs read no read copy), so the summary's means cover whole measurement cycles, the
+rule of :func:`qstate.analysis.drift.measurement_cycle` (the least common multiple of the run's
+ring lengths), ending at the last step; the maxima cover every step; the plot shows the mean KL
+per cycle. :meth:`ModelDrift.measures` says what each figure covers.
+
 A scheme whose logits stop being finite is reported as failed at the first such step (1-based
 decode step), never as a number.
 """
@@ -25,6 +31,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .drift import measurement_cycle
 from .schemes import Scheme, parse_schemes
 
 __all__ = ["SchemeDrift", "ModelDrift", "model_drift", "hf_model_report"]
@@ -62,22 +69,44 @@ class SchemeDrift:
             top1[:, bad] = False
         return cls(scheme, kl, top1, max_abs, failed_at)
 
-    def summary(self, profile=None) -> dict:
-        """One row: means and maxima over sequences and steps (``final_kl``: mean over sequences
-        of the last step); ``bytes_per_step`` per state element when ``profile`` is given."""
-        ok = self.failed_at is None
+    def per_cycle(self, cycle: Optional[int]) -> dict:
+        """``kl`` and ``top1_agreement`` per measurement cycle of ``cycle`` steps, mean over the
+        sequences and the cycle's steps, ``(cycles,)``; cycles end at the last step, the first
+        ``new_tokens mod cycle`` steps fall in none (no cycle when ``cycle`` is None)."""
+        steps = self.kl.shape[1]
+        count = 0 if cycle is None else steps // cycle
 
-        def number(t: torch.Tensor) -> Optional[float]:
-            return float(t) if ok else None
+        def means(t: torch.Tensor) -> torch.Tensor:
+            if not count:
+                return torch.zeros(0, dtype=torch.float64)
+            return t.double()[:, steps - count * cycle:].reshape(t.shape[0], count, cycle).mean(dim=(0, 2))
+
+        return {"kl": means(self.kl), "top1_agreement": means(self.top1)}
+
+    def summary(self, profile=None, *, cycle: Optional[int]) -> dict:
+        """One row of ``SUMMARY_FIELDS``: ``mean_kl`` and ``top1_agreement`` are means over the
+        sequences and every whole measurement cycle of ``cycle`` steps ending at the last step,
+        ``final_kl`` over the last cycle (all three None when ``cycle`` is None: no whole cycle);
+        ``max_kl`` and ``max_abs_logit`` are maxima over every step; ``bytes_per_step`` per state
+        element when ``profile`` is given. A failed scheme has None for every figure."""
+        ok = self.failed_at is None
+        cycles = self.per_cycle(cycle)
+        whole = ok and cycles["kl"].numel() > 0
+
+        def over_steps(t: torch.Tensor) -> Optional[float]:
+            return float(t.max()) if ok else None
+
+        def over_cycles(t: torch.Tensor) -> Optional[float]:
+            return float(t) if whole else None
 
         return {
             "scheme": str(self.scheme),
             "bytes_per_step": None if profile is None else self.scheme.bytes_per_step(profile),
-            "mean_kl": number(self.kl.mean()),
-            "max_kl": number(self.kl.max()),
-            "final_kl": number(self.kl[:, -1].mean()),
-            "top1_agreement": number(self.top1.double().mean()),
-            "max_abs_logit": number(self.max_abs_logit.max()),
+            "mean_kl": over_cycles(cycles["kl"].mean()),
+            "max_kl": over_steps(self.kl),
+            "final_kl": over_cycles(cycles["kl"][-1:].mean()),
+            "top1_agreement": over_cycles(cycles["top1_agreement"].mean()),
+            "max_abs_logit": over_steps(self.max_abs_logit),
             "failed_at": self.failed_at,
         }
 
@@ -98,11 +127,63 @@ class ModelDrift:
                 return entry
         raise KeyError(f"scheme: {key!r} is not in this result; it has {[str(s.scheme) for s in self.schemes]}")
 
+    @property
+    def cycle(self) -> Optional[int]:
+        """Steps in one measurement cycle of the run (:func:`qstate.analysis.drift.measurement_cycle`
+        of its schemes), or None when the run is shorter than one cycle."""
+        try:
+            return measurement_cycle([entry.scheme for entry in self.schemes], int(self.tokens.shape[1]))
+        except ValueError:
+            return None
+
+    @property
+    def cycle_steps(self) -> list[int]:
+        """The last decode step of each measurement cycle; cycle ``c`` covers ``cycle_steps[c] −
+        cycle + 1 … cycle_steps[c]``."""
+        steps, cycle = int(self.tokens.shape[1]), self.cycle
+        return [] if cycle is None else list(range(steps % cycle + cycle, steps + 1, cycle))
+
     def summary(self) -> list[dict]:
-        """One row per scheme with the fields of ``SUMMARY_FIELDS``."""
-        return [entry.summary(self.profile) for entry in self.schemes]
+        """One row per scheme with the fields of ``SUMMARY_FIELDS``; :meth:`measures` says what each covers."""
+        return [entry.summary(self.profile, cycle=self.cycle) for entry in self.schemes]
+
+    def measures(self) -> dict:
+        """What each summary figure and curve of this run covers, field → sentence (the report's
+        text and the ``measures`` entry of the JSON)."""
+        steps, cycle = int(self.tokens.shape[1]), self.cycle
+        rings = sorted({entry.scheme.ring_len for entry in self.schemes if entry.scheme.is_replay})
+        if cycle is None:
+            whole = (f"none: the run's {steps} decode steps are fewer than one whole cycle of every replay ring "
+                     f"(ring lengths {', '.join(map(str, rings))}), so mean_kl, final_kl and top1_agreement "
+                     "are not given")
+            first = None
+        else:
+            first = self.cycle_steps[0] - cycle + 1
+            kind = (f"one cycle of the ring of {rings[0]}" if len(rings) == 1 else
+                    f"whole cycles of every ring length: the least common multiple of {', '.join(map(str, rings))}"
+                    if rings else "no replay scheme in the run")
+            whole = (f"{cycle} steps ({kind}); the {len(self.cycle_steps)} cycles cover decode steps {first}–{steps}"
+                     + (f", steps 1–{first - 1} fall in none" if first > 1 else ""))
+        return {
+            "kl": "KL(p_ref ‖ p_scheme) of the next-token distributions after one decode step, in nats",
+            "cycle": f"a measurement cycle is {whole}; every scheme is measured over the same cycles",
+            "mean_kl": (f"mean KL over the sequences and decode steps {first}–{steps} (the whole cycles)"
+                        if cycle else "not given (no whole cycle)"),
+            "final_kl": (f"mean KL over the sequences and the last cycle, decode steps {steps - cycle + 1}–{steps}"
+                         if cycle else "not given (no whole cycle)"),
+            "top1_agreement": (f"share of the sequences and decode steps {first}–{steps} whose argmax token equals "
+                               "the reference's" if cycle else "not given (no whole cycle)"),
+            "max_kl": f"the largest KL over the sequences and every decode step 1–{steps}",
+            "max_abs_logit": f"the largest |logit − reference logit| over the sequences, the vocabulary and every "
+                             f"decode step 1–{steps}",
+            "per_cycle": "per measurement cycle, the mean over the sequences and the cycle's steps",
+            "per_step": "per decode step, the mean (kl, top1_agreement) or maximum (max_abs_logit) over the "
+                        "sequences; raw data, a replay scheme's saw-tooth over its ring included",
+            "bytes_per_step": "HBM bytes of one decode step per state element (ring and scales included)",
+        }
 
     def to_markdown(self) -> str:
+        """The summary table followed by what each figure covers."""
         rows = self.summary()
 
         def cell(v) -> str:
@@ -114,17 +195,25 @@ class ModelDrift:
 
         lines = ["| " + " | ".join(SUMMARY_FIELDS) + " |", "|" + "---|" * len(SUMMARY_FIELDS)]
         lines += ["| " + " | ".join(cell(row[f]) for f in SUMMARY_FIELDS) + " |" for row in rows]
+        measures = self.measures()
+        lines += [""] + [f"- `{field}`: {measures[field]}" for field in ("cycle",) + SUMMARY_FIELDS[2:-1]]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.to_markdown()
 
     def to_json(self, path: Union[str, os.PathLike]) -> None:
-        """Summary rows and the per-step metrics (mean over sequences) of every scheme."""
+        """Summary rows, what each covers, and the per-cycle and per-step metrics of every scheme."""
+        cycle = self.cycle
         payload = {
             "new_tokens": int(self.tokens.shape[1]),
             "batch": int(self.tokens.shape[0]),
+            "cycle": cycle,
+            "cycle_steps": self.cycle_steps,
+            "measures": self.measures(),
             "summary": self.summary(),
+            "per_cycle": {str(e.scheme): {k: _json_floats(v) for k, v in e.per_cycle(cycle).items()}
+                          for e in self.schemes},
             "per_step": {
                 str(e.scheme): {
                     "kl": _json_floats(e.kl.mean(0)),
@@ -138,20 +227,26 @@ class ModelDrift:
             json.dump(payload, fh, indent=1)
 
     def plot(self, path: Union[str, os.PathLike]) -> None:
-        """KL per decode step (mean over sequences), one line per scheme, log scale."""
+        """Mean KL per measurement cycle (over the sequences and the cycle's steps) at the cycle's
+        middle step, one line per scheme, log scale."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        steps = torch.arange(1, self.tokens.shape[1] + 1)
-        for entry in self.schemes:
-            ax.plot(steps, entry.kl.mean(0).clamp(min=1e-12), label=str(entry.scheme))
-        ax.set_yscale("log")
-        ax.set_xlabel("decode step")
-        ax.set_ylabel("KL(reference ‖ scheme), nats")
-        ax.legend(fontsize=7)
+        cycle = self.cycle
+        if cycle is None:
+            ax.text(0.5, 0.5, self.measures()["cycle"], ha="center", va="center", wrap=True, fontsize=8,
+                    transform=ax.transAxes)
+        else:
+            middles = [step - (cycle - 1) / 2 for step in self.cycle_steps]
+            for entry in self.schemes:
+                ax.plot(middles, entry.per_cycle(cycle)["kl"].clamp(min=1e-12), marker=".", label=str(entry.scheme))
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        ax.set_xlabel("decode step (middle of the measurement cycle)")
+        ax.set_ylabel(f"KL(reference ‖ scheme), nats, mean over {cycle or 'a'}-step cycle")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -239,7 +334,8 @@ def hf_model_report(path: Union[str, os.PathLike], schemes=DEFAULT_HF_SCHEMES, n
     with open(os.path.join(out, "model_drift.md"), "w") as fh:
         fh.write(f"# Model-level drift: {path}\n\n{new_tokens} teacher-forced decode steps, batch "
                  f"{input_ids.shape[0]}, prompt {input_ids.shape[1]} tokens; each scheme against the "
-                 f"unpatched model (KL in nats).\n\n{result.to_markdown()}\n")
+                 f"unpatched model (KL in nats; each figure's span below the table).\n\n"
+                 f"{result.to_markdown()}\n")
     result.to_json(os.path.join(out, "model_drift.json"))
     if plot:
         result.plot(os.path.join(out, "model_drift.png"))

@@ -77,7 +77,7 @@ def main() -> None:
     transformers = import_transformers()
     transformers.logging.set_verbosity_error()
     device = "cuda"
-    rows, drifts = [], {}
+    rows, drifts, drift_measures = [], {}, None
     for kind in ("mamba2", "nemotron_h"):
         for dtype in (torch.float32, torch.bfloat16):
             model = build(kind, dtype, device)
@@ -113,6 +113,7 @@ def main() -> None:
             if dtype == torch.float32:
                 drift = model_drift(model, ids, SCHEMES, args.tokens)
                 drifts[kind] = drift.summary()
+                drift_measures = drift.measures()
                 print(f"\nmodel_drift {kind} fp32, {args.tokens} tokens, batch {args.batch}\n{drift}\n", flush=True)
             del model
             torch.cuda.empty_cache()
@@ -124,7 +125,7 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "command": "python3 bench/gpu_model_check.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-        "rows": rows, "model_drift": drifts,
+        "rows": rows, "model_drift": drifts, "model_drift_measures": drift_measures,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
