@@ -339,6 +339,7 @@ REPLAY_SWEEP = {
     "default": {},
     "loop1": {"V_LOOP": 1},
     "loop2": {"V_LOOP": 2},
+    "no-prefetch": {"PREFETCH": False},
     "loop8-2w": {"WARPS": 2},
     "loop1-4w": {"V_LOOP": 1, "WARPS": 4},
     "rows32-loop4": {"TILE_ROWS": 32, "V_LOOP": 4},
@@ -379,7 +380,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 31 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 33 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():

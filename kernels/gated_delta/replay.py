@@ -43,6 +43,8 @@ from .replay_kernels import _advance_cursors_kernel, _replay_step_kernel
 TILE_ROWS = 16
 WARPS = 1
 V_LOOP = 8
+# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
+PREFETCH = True
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
@@ -74,7 +76,7 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
     step = dict(L=ring_len, RING_PAD=sizes.next_power_of_2(ring_len), CK_DTYPE=ck_code, HAS_READ=has_read, RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax,
                 RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm,
-                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, num_warps=warps)
+                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, num_warps=warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance
 

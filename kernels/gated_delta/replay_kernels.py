@@ -39,7 +39,7 @@ def _replay_step_kernel(
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_LOOP: tl.constexpr,
+    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -115,6 +115,19 @@ def _replay_step_kernel(
             # newest first (unrolled and masked past the cursor, so every ring load issues up
             # front), giving T and each token's coefficient c; each chunk of V then meets it
             # with o = c·v summed over the ring plus the read copy's (or checkpoint's) rows · T.
+            if HAS_READ:
+                base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
+                BASE_DTYPE: tl.constexpr = RD_DTYPE
+                BASE_GRAN: tl.constexpr = RD_GRAN
+            else:
+                base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
+                BASE_DTYPE: tl.constexpr = CK_DTYPE
+                BASE_GRAN: tl.constexpr = 0
+            # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
+            # runs, and each chunk loads the next one's before its own sums.
+            rows = v_part * V_LOOP * BLOCK_V + lanes
+            codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
+                                         base_scale_ptr, BASE_GRAN, BLOCK_K)
             T = q
             c_now = beta * tl.sum(k * T, axis=0)
             T = alpha * (T - c_now * k)
@@ -131,17 +144,19 @@ def _replay_step_kernel(
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
                 row_mask = rows < V
+                if not PREFETCH:
+                    codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
+                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
+                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                if PREFETCH and chunk + 1 < V_LOOP:
+                    next_rows = rows + BLOCK_V
+                    codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
+                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
                 v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
                 tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
                 ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
                                   mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
                 o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
-                if HAS_READ:
-                    base = tile.load_tile(read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, row_mask, K,
-                                          K, 1, RD_DTYPE, RD_GRAN, HW, BLOCK_V, BLOCK_K)
-                else:
-                    base = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW,
-                                          BLOCK_V, BLOCK_K)
                 tile.store_output(out_row, o + tl.sum(base * T[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
 
 

@@ -239,12 +239,14 @@ def test_torch_compile_through_the_custom_ops():
             assert torch.equal(getattr(traced, name), getattr(eager, name)), name
 
 
-@pytest.mark.parametrize("channel,ring_len,checkpoint,read", [CASES[1], CASES[2]])
-def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read):
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch", [(*CASES[1], True), (*CASES[2], False)])
+def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch):
     """The GPU's launch shape under the interpreter: V split over programs, each sweeping the ring
-    once and streaming several chunks of V (here 2 programs × 2 chunks of 4 rows of V = 16)."""
+    once and streaming several chunks of V (here 2 programs × 2 chunks of 4 rows of V = 16), with
+    and without loading a chunk ahead."""
     from qstate.kernels.gated_delta import replay
     monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
+    monkeypatch.setattr(replay, "PREFETCH", prefetch)
     cache = allocate(2, channel=channel, ring_len=ring_len, read=read, checkpoint=checkpoint)
     cache.reset([0, 1], torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(6)))
     tracker = Tracker(cache)
