@@ -214,7 +214,26 @@ def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
     f2, r2 = check_replay(device)
-    return f1 + f2 + check_graph(device), r1 + r2
+    f3, r3 = check_replay_chunked(device)
+    return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
+
+
+def check_replay_chunked(device):
+    """:func:`check_replay` with the replay launcher's large-batch program shape (``V_LOOP``
+    chunks per program, the sweep's result reused across them), which its small grids would
+    otherwise never reach on the GPU."""
+    from qstate.kernels import clear_launch_plans
+    from qstate.kernels.gated_delta import replay
+
+    saved = replay.MIN_PROGRAMS
+    replay.MIN_PROGRAMS = 0
+    clear_launch_plans()
+    try:
+        failures, report = check_replay(device)
+    finally:
+        replay.MIN_PROGRAMS = saved
+        clear_launch_plans()
+    return [f"{f} [chunked]" for f in failures], [dict(r, check=f"{r['check']} [chunked]") for r in report]
 
 
 # ---------------------------------------------------------------------------- timing

@@ -15,6 +15,8 @@ ring 16, T = 4. Per kernel it prints registers, instructions per thread in the l
 those times the warps over the elements of one ``[BLOCK_P, BLOCK_N]`` tile: warp-instructions
 per state element. A loop's body is listed once, so for the flush kernels (a loop over listed
 rows) and the grouped step kernel (a loop over heads) the per-element figure is per iteration.
+The ``gdn-*`` ops count the gated delta kernels on the Qwen3.5-122B-A10B layer (``GDN_LAYER``),
+tiles ``[BLOCK_V, BLOCK_K]``; the replay step's unrolled sweep is listed whole, its chunk loop once.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ PREFETCH = True
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
-_MIN_PROGRAMS = 1024
+MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
 # Batch rows per program of the cursor kernel.
 BLOCK_R = 256
@@ -68,9 +68,9 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     if device.type == "cuda":
         block_v = min(max(1, TILE_ROWS * 128 // block_k), whole)
         v_loop, warps = min(V_LOOP, sizes.cdiv(V, block_v)), WARPS
-        while v_loop > 1 and batch * num_v_heads * sizes.cdiv(V, block_v * v_loop) < _MIN_PROGRAMS:
+        while v_loop > 1 and batch * num_v_heads * sizes.cdiv(V, block_v * v_loop) < MIN_PROGRAMS:
             v_loop //= 2
-        while block_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, block_v) < _MIN_PROGRAMS:
+        while block_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, block_v) < MIN_PROGRAMS:
             block_v //= 2
     else:
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
