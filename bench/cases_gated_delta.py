@@ -23,6 +23,7 @@ import torch
 
 import qstate
 from qstate import formats
+from qstate.kernels.common import codec
 from qstate.reference import gated_delta as reference
 
 from .harness import Case, graph_matches_eager, register
@@ -213,7 +214,26 @@ def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
     f2, r2 = check_replay(device)
-    return f1 + f2 + check_graph(device), r1 + r2
+    f3, r3 = check_replay_chunked(device)
+    return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
+
+
+def check_replay_chunked(device):
+    """:func:`check_replay` with the replay launcher's large-batch program shape (``V_LOOP``
+    chunks per program, the sweep's result reused across them), which its small grids would
+    otherwise never reach on the GPU."""
+    from qstate.kernels import clear_launch_plans
+    from qstate.kernels.gated_delta import replay
+
+    saved = replay.MIN_PROGRAMS
+    replay.MIN_PROGRAMS = 0
+    clear_launch_plans()
+    try:
+        failures, report = check_replay(device)
+    finally:
+        replay.MIN_PROGRAMS = saved
+        clear_launch_plans()
+    return [f"{f} [chunked]" for f in failures], [dict(r, check=f"{r['check']} [chunked]") for r in report]
 
 
 # ---------------------------------------------------------------------------- timing
@@ -317,6 +337,80 @@ def timing_cases(device):
         if kernels is not None:
             out += [fla_case(batch, MAIN, kernels, device) for batch in BATCHES]
             out += [fla_case(256, layer, kernels, device) for layer in LAYERS if layer != MAIN]
+    return out
+
+
+# Tuning alternatives timed by ``sweep_cases``: tag → {module constant: value}, applied around
+# each call (the first of each list is the default).
+_CONV = "qstate.kernels.gated_delta.conventional"
+_REPLAY = "qstate.kernels.gated_delta.replay"
+_ROWS = "TILE_ROWS_BY_DTYPE"
+CONVENTIONAL_SWEEP = {
+    "fp32": {"default": {}, "16x4w": {_ROWS: {codec.FP32: (16, 4)}}, "8x1w": {_ROWS: {codec.FP32: (8, 1)}},
+             "32x2w": {_ROWS: {codec.FP32: (32, 2)}}},
+    "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}},
+    "int8:row": {"default": {}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}}, "16x1w": {_ROWS: {codec.INT8: (16, 1)}},
+                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}},
+    "fp8_e4m3:row": {"default": {}, "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}},
+                     "16x1w": {_ROWS: {codec.FP8_E4M3: (16, 1)}}},
+}
+REPLAY_SWEEP = {
+    "default": {},
+    "loop1": {"V_LOOP": 1},
+    "loop2": {"V_LOOP": 2},
+    "no-prefetch": {"PREFETCH": False},
+    "loop8-2w": {"WARPS": 2},
+    "loop1-4w": {"V_LOOP": 1, "WARPS": 4},
+    "rows32-loop4": {"TILE_ROWS": 32, "V_LOOP": 4},
+}
+
+
+def _with_constants(module_name, constants, run):
+    """``run`` with ``module_name``'s constants set for the call (dict constants updated), and the
+    launch plans rebuilt on both sides of it."""
+    import importlib
+
+    from qstate.kernels import clear_launch_plans
+
+    module = importlib.import_module(module_name)
+
+    def tuned(buffers):
+        saved = {name: getattr(module, name) for name in constants}
+        for name, value in constants.items():
+            setattr(module, name, {**saved[name], **value} if isinstance(value, dict) else value)
+        clear_launch_plans()
+        try:
+            run(buffers)
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+            clear_launch_plans()
+
+    return tuned
+
+
+def _retagged(case, tag, module_name, constants):
+    case.group = "sweep-gated_delta"
+    case.name = f"{case.name}/{tag}"
+    case.params = dict(case.params, variant=tag, format=f"{case.params['format']} [{tag}]")
+    case.run = _with_constants(module_name, constants, case.run)
+    return case
+
+
+def sweep_cases(device):
+    """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 33 cases."""
+    out = []
+    for text, table in CONVENTIONAL_SWEEP.items():
+        for tag, constants in table.items():
+            out.append(_retagged(conventional_case(256, MAIN, text, device), tag, _CONV, constants))
+    for tag in ("default", "16x4w"):
+        out.append(_retagged(conventional_case(16, MAIN, "fp32", device), tag, _CONV, CONVENTIONAL_SWEEP["fp32"][tag]))
+    for ck, rd in REPLAY_FORMATS:
+        for tag, constants in REPLAY_SWEEP.items():
+            out.append(_retagged(replay_case(256, MAIN, ck, rd, device, staggered=True), tag, _REPLAY, constants))
+    for tag in ("default", "loop1", "loop1-4w"):
+        out.append(_retagged(replay_case(16, MAIN, "fp32", "fp8_e4m3:row", device), tag, _REPLAY, REPLAY_SWEEP[tag]))
     return out
 
 

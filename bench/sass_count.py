@@ -7,12 +7,16 @@ tiles before a GPU run; the GPU sweep decides.
     python3 -m bench.sass_count replay --read fp8_e4m3:row [--checkpoint bf16+sr]
     python3 -m bench.sass_count verify --read fp8_e4m3:row --set qstate.kernels.mamba2.speculative.VERIFY_TILE="{...}"
     python3 -m bench.sass_count conventional --format int8:row
+    python3 -m bench.sass_count gdn-conventional --format int8:row
+    python3 -m bench.sass_count gdn-replay --read fp8_e4m3:row
 
 Shapes: the Nemotron-H-8B layer (128 heads × 64 × 128, 8 groups), batch 256, bf16 inputs,
 ring 16, T = 4. Per kernel it prints registers, instructions per thread in the listing, and
 those times the warps over the elements of one ``[BLOCK_P, BLOCK_N]`` tile: warp-instructions
 per state element. A loop's body is listed once, so for the flush kernels (a loop over listed
 rows) and the grouped step kernel (a loop over heads) the per-element figure is per iteration.
+The ``gdn-*`` ops count the gated delta kernels on the Qwen3.5-122B-A10B layer (``GDN_LAYER``),
+tiles ``[BLOCK_V, BLOCK_K]``; the replay step's unrolled sweep is listed whole, its chunk loop once.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 BATCH = 256
+# The gated delta ops' layer (Qwen3.5-122B-A10B: HK, HV, K, V).
+GDN_LAYER = (16, 64, 128, 128)
 
 
 class _Recorder:
@@ -174,9 +180,46 @@ def launch_conventional(text):
     return launches
 
 
+def _gpu_plans(module):
+    """Make ``module``'s launch plans those of a GPU launch (its ``_plan`` takes the device)."""
+    plan = module._plan
+    module._plan = lambda *a: plan(*(torch.device("cuda") if isinstance(x, torch.device) else x for x in a))
+
+
+def _gdn_token(batch, HK, HV, K, V):
+    return dict(q=_bf16(batch, HK, K), k=_bf16(batch, HK, K), v=_bf16(batch, HV, V), g=-torch.rand(batch, HV),
+                beta=torch.rand(batch, HV).to(torch.bfloat16))
+
+
+def launch_gdn_conventional(text, batch=BATCH):
+    import qstate
+    from qstate import formats
+    from qstate.kernels.gated_delta import conventional
+    _gpu_plans(conventional)
+    launches = record(conventional, ["_conventional_kernel"])
+    HK, HV, K, V = GDN_LAYER
+    fmt = formats.StateFormat.parse(text)
+    q = formats.quantize(torch.randn(batch, HV, V, K), fmt)
+    qstate.gated_delta_update(q.data, **_gdn_token(batch, HK, HV, K, V), state_scale=q.scale, state_format=text,
+                              out=_bf16(batch, HV, V), seed=1)
+    return launches
+
+
+def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH):
+    import qstate
+    from qstate.kernels.gated_delta import replay
+    _gpu_plans(replay)
+    launches = record(replay, [name for name in vars(replay) if name.startswith("_") and name.endswith("_kernel")])
+    HK, HV, K, V = GDN_LAYER
+    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16,
+                                                  checkpoint=checkpoint, read=read, device="cpu")
+    qstate.gated_delta_replay(cache, **_gdn_token(batch, HK, HV, K, V), out=_bf16(batch, HV, V))
+    return launches
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("op", choices=("replay", "verify", "conventional"))
+    parser.add_argument("op", choices=("replay", "verify", "conventional", "gdn-conventional", "gdn-replay"))
     parser.add_argument("--read", default="fp8_e4m3:row", help="read copy of replay/verify ('none': none)")
     parser.add_argument("--checkpoint", default="fp32", help="checkpoint format of replay")
     parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
@@ -187,15 +230,18 @@ def main(argv=None) -> int:
         set_constant(assignment)
     read = None if args.read == "none" else args.read
     launches = {"replay": lambda: launch_replay(read, args.checkpoint), "verify": lambda: launch_verify(read),
-                "conventional": lambda: launch_conventional(args.format)}[args.op]()
+                "conventional": lambda: launch_conventional(args.format),
+                "gdn-conventional": lambda: launch_gdn_conventional(args.format),
+                "gdn-replay": lambda: launch_gdn_replay(read, args.checkpoint)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
         registers, shared, local, instructions = count(compiled)
         line = (f"{name}: grid {grid}, {num_warps} warps, {registers} registers, {shared} B shared, {local} B local, "
                 f"{len(instructions)} instructions per thread")
-        if "BLOCK_P" in kwargs:
-            tile = kwargs["BLOCK_P"] * kwargs["BLOCK_N"]
-            line += (f", tile {kwargs['BLOCK_P']} x {kwargs['BLOCK_N']}: "
+        rows, cols = ("BLOCK_P", "BLOCK_N") if "BLOCK_P" in kwargs else ("BLOCK_V", "BLOCK_K")
+        if rows in kwargs:
+            tile = kwargs[rows] * kwargs[cols]
+            line += (f", tile {kwargs[rows]} x {kwargs[cols]}: "
                      f"{len(instructions) * num_warps / tile:.3f} warp-instructions per state element")
         print(line, flush=True)
         if args.mix:

@@ -25,8 +25,12 @@ from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
 from .conventional_kernel import _conventional_kernel
 
-# Rows of V per tile at K = 128, and warps, by state bytes per element (a tile of 8 KiB of fp32).
+# Rows of V per tile at K = 128, and warps, by state bytes per element: head and block32 scales.
 _TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (32, 4)}
+# The same for GPU launches of unscaled and row-scaled formats, by dtype code: one or two warps
+# keep a row's K-sums inside a warp (no shared-memory round), fewer warp-instructions per element.
+TILE_ROWS_BY_DTYPE = {codec.FP32: (16, 1), codec.BF16: (16, 1), codec.FP16: (16, 1), codec.INT8: (32, 2),
+                      codec.FP8_E4M3: (32, 2), codec.FP8_E5M2: (32, 2)}
 # Programs below which a launch splits V finer (a small batch still fills the GPU).
 _MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -34,10 +38,14 @@ _MIN_BLOCK_V = 4
 _launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
 
 
-def tile_config(element_bytes: int, K: int, V: int, granularity: int, programs_per_tile: int, on_gpu: bool):
-    """``(BLOCK_V, BLOCK_K, num_warps)``; ``programs_per_tile``: batch · HV."""
+def tile_config(element_bytes: int, K: int, V: int, granularity: int, programs_per_tile: int, on_gpu: bool,
+                dtype_code=None):
+    """``(BLOCK_V, BLOCK_K, num_warps)``; ``programs_per_tile``: batch · HV; ``dtype_code``: the
+    format's, for ``TILE_ROWS_BY_DTYPE`` (None: by bytes only)."""
     block_k = max(32, sizes.next_power_of_2(K))
     rows, warps = _TILE_ROWS[element_bytes]
+    if dtype_code in TILE_ROWS_BY_DTYPE and granularity in (codec.GRAN_NONE, codec.GRAN_ROW):
+        rows, warps = TILE_ROWS_BY_DTYPE[dtype_code]
     whole = sizes.next_power_of_2(V)
     if granularity == codec.GRAN_HEAD or not on_gpu:
         # Head scales need the whole head; the interpreter pays per program, not per byte.
@@ -53,7 +61,7 @@ def _plan(element_bytes, K, V, num_v_heads, batch, device, dtype_code, granulari
           l2norm, has_slots, seed_from_ptr, out_bf16):
     """``(grid, constexprs)`` of a launch, a function of the call's metadata."""
     block_v, block_k, warps = tile_config(element_bytes, K, V, granularity, batch * num_v_heads,
-                                          device.type == "cuda")
+                                          device.type == "cuda", dtype_code)
     constexprs = dict(DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       SEED_FROM_PTR=seed_from_ptr, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k,

@@ -38,11 +38,18 @@ from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
 from .replay_kernels import _advance_cursors_kernel, _replay_step_kernel
 
-# Rows of V per step program at K = 128, and warps (the normal row reads an 8 KiB fp32 tile or less).
-_TILE_ROWS = 16
-_WARPS = 4
-# Programs below which a launch splits V finer (a small batch still fills the GPU).
-_MIN_PROGRAMS = 1024
+# Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
+# and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
+TILE_ROWS = 16
+WARPS = 1
+V_LOOP = 8
+# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
+PREFETCH = True
+# (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
+# per program). Tests set it to run the GPU's split, chunked programs.
+INTERPRETER_SPLIT = None
+# Programs below which a launch takes fewer chunks per program, then splits V finer.
+MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
 # Batch rows per program of the cursor kernel.
 BLOCK_R = 256
@@ -57,17 +64,21 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     """``(step grid, step constexprs, cursor grid, cursor constexprs)`` of a call's metadata."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
+    v_loop, warps = 1, 4
     if device.type == "cuda":
-        block_v = min(max(1, _TILE_ROWS * 128 // block_k), whole)
-        while block_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, block_v) < _MIN_PROGRAMS:
+        block_v = min(max(1, TILE_ROWS * 128 // block_k), whole)
+        v_loop, warps = min(V_LOOP, sizes.cdiv(V, block_v)), WARPS
+        while v_loop > 1 and batch * num_v_heads * sizes.cdiv(V, block_v * v_loop) < MIN_PROGRAMS:
+            v_loop //= 2
+        while block_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, block_v) < MIN_PROGRAMS:
             block_v //= 2
     else:
-        block_v = whole  # the interpreter pays per program, not per byte
-    step = dict(L=ring_len, CK_DTYPE=ck_code, HAS_READ=has_read, RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax,
+        block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
+    step = dict(L=ring_len, RING_PAD=sizes.next_power_of_2(ring_len), CK_DTYPE=ck_code, HAS_READ=has_read, RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax,
                 RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm,
-                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=_WARPS)
+                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, num_warps=warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
-    return (sizes.cdiv(V, block_v), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance
+    return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:

@@ -8,18 +8,15 @@ from . import tile
 
 
 @triton.jit
-def _ring_token(ring_k, ring_v, ring_g, ring_beta, j, rows, cols, row_mask, K, V,
-                L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
-    """Token ``j`` of a head's ring: ``k̂ [BLOCK_K]``, ``v [BLOCK_V]``, ``α``, ``β`` in fp32
-    (the pointers are the head's first ring entries)."""
+def _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
+    """Token ``j`` of a head's ring without its value: ``k̂ [BLOCK_K]``, ``α``, ``β`` in fp32 (the
+    pointers are the head's first ring entries)."""
     k = tile.load_key(ring_k + j * K, cols, K, L2NORM)
     if CHANNEL:
         alpha = tile.decay(ring_g + j * K, cols, K, CHANNEL)
     else:
         alpha = tile.decay(ring_g + j, cols, K, CHANNEL)
-    beta = tl.load(ring_beta + j)
-    v = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
-    return k, v, alpha, beta
+    return k, alpha, tl.load(ring_beta + j)
 
 
 @triton.jit
@@ -32,30 +29,23 @@ def _apply(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def _sweep(T, o, k, v, alpha, beta, CHANNEL: tl.constexpr):
-    """One token of the adjoint sweep: ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``."""
-    c = beta * tl.sum(k * T, axis=0)
-    return alpha * (T - c * k), o + c * v
-
-
-@triton.jit
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr,
     qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
-    L: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
-    RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, CK_QMAX: tl.constexpr,
-    HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
+    RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
+    CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    v_tile = tl.program_id(0)
+    v_part = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    lanes = tl.arange(0, BLOCK_V)
     cols = tl.arange(0, BLOCK_K)
-    row_mask = rows < V
     out_row = out_ptr + b * s_out_batch + h * s_out_head
     if HAS_SLOTS:
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -65,7 +55,9 @@ def _replay_step_kernel(
         # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync)
         # outputs NaN. Neither touches any slot.
         bad = tl.where(slot < 0, 0.0, float("nan"))
-        tile.store_output(out_row, tl.zeros([BLOCK_V], tl.float32) + bad, rows, row_mask, OUT_BF16, HW)
+        for chunk in range(V_LOOP):
+            rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+            tile.store_output(out_row, tl.zeros([BLOCK_V], tl.float32) + bad, rows, rows < V, OUT_BF16, HW)
     else:
         # Whatever the cursor holds, the ring is addressed inside [0, L).
         n = tl.minimum(tl.maximum(tl.load(cursor_ptr + slot), 0), L - 1)
@@ -76,8 +68,7 @@ def _replay_step_kernel(
         g_row = g_ptr + b * s_g_batch + h * s_g_head
         alpha = tile.decay(g_row, cols, K, CHANNEL)
         beta = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
-        v_raw = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
-        v = v_raw.to(tl.float32)
+        v_row = v_ptr + b * s_v_batch + h * s_v_head
         ring_head = slot * num_v_heads + h
         ring_key = slot * num_k_heads + hk
         if CHANNEL:
@@ -87,9 +78,8 @@ def _replay_step_kernel(
         ring_v = ring_v_ptr + ring_head * L * V
         ring_beta = ring_beta_ptr + ring_head * L
         ring_k = ring_k_ptr + ring_key * L * K
-        # Append the token: v by every V-tile, g and β by the first, k by the group's first head.
-        tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-        if v_tile == 0:
+        # Append the token: v by every program, g and β by the first, k by the group's first head.
+        if v_part == 0:
             if CHANNEL:
                 tl.store(ring_g + n * K + cols, tl.load(g_row + cols, mask=cols < K, other=0.0).to(tl.float32),
                          mask=cols < K)
@@ -102,35 +92,72 @@ def _replay_step_kernel(
         if n == L - 1:
             # The ring is full: fold it into the checkpoint in fp32, token by token from the
             # checkpoint itself; the output is that of the new, unrounded state.
-            S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
-                               BLOCK_K)
-            for j in range(0, n):
-                kj, vj, aj, bj = _ring_token(ring_k, ring_v, ring_g, ring_beta, j, rows, cols, row_mask, K, V,
-                                             L2NORM, CHANNEL)
-                S = _apply(S, kj, vj, aj, bj, CHANNEL)
-            S = _apply(S, k, v, alpha, beta, CHANNEL)
-            tile.store_output(out_row, tl.sum(S * q[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
-            stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
-                                     False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
-            if HAS_READ:
-                tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K, 1,
-                                rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+            for chunk in range(V_LOOP):
+                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+                row_mask = rows < V
+                v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
+                tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+                S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
+                                   BLOCK_K)
+                for j in range(0, L - 1):
+                    kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+                    vj = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
+                    S = _apply(S, kj, vj, aj, bj, CHANNEL)
+                S = _apply(S, k, v_raw.to(tl.float32), alpha, beta, CHANNEL)
+                tile.store_output(out_row, tl.sum(S * q[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+                stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
+                                         0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+                if HAS_READ:
+                    tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
+                                    1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
         else:
-            # The adjoint sweep: the query is carried back through the ring, newest first, and
-            # meets the read copy (or the checkpoint) once.
-            T, o = _sweep(q, tl.zeros([BLOCK_V], tl.float32), k, v, alpha, beta, CHANNEL)
-            for i in range(0, n):
-                j = n - 1 - i
-                kj, vj, aj, bj = _ring_token(ring_k, ring_v, ring_g, ring_beta, j, rows, cols, row_mask, K, V,
-                                             L2NORM, CHANNEL)
-                T, o = _sweep(T, o, kj, vj, aj, bj, CHANNEL)
+            # The adjoint sweep, once per program: the query is carried back through the ring,
+            # newest first (unrolled and masked past the cursor, so every ring load issues up
+            # front), giving T and each token's coefficient c; each chunk of V then meets it
+            # with o = c·v summed over the ring plus the read copy's (or checkpoint's) rows · T.
             if HAS_READ:
-                base = tile.load_tile(read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, row_mask, K, K, 1,
-                                      RD_DTYPE, RD_GRAN, HW, BLOCK_V, BLOCK_K)
+                base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
+                BASE_DTYPE: tl.constexpr = RD_DTYPE
+                BASE_GRAN: tl.constexpr = RD_GRAN
             else:
-                base = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
-                                      BLOCK_K)
-            tile.store_output(out_row, o + tl.sum(base * T[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+                base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
+                BASE_DTYPE: tl.constexpr = CK_DTYPE
+                BASE_GRAN: tl.constexpr = 0
+            # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
+            # runs, and each chunk loads the next one's before its own sums.
+            rows = v_part * V_LOOP * BLOCK_V + lanes
+            codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
+                                         base_scale_ptr, BASE_GRAN, BLOCK_K)
+            T = q
+            c_now = beta * tl.sum(k * T, axis=0)
+            T = alpha * (T - c_now * k)
+            ring_slots = tl.arange(0, RING_PAD)
+            c_ring = tl.zeros([RING_PAD], tl.float32)
+            for i in tl.static_range(L - 1):
+                j = tl.maximum(n - 1 - i, 0)
+                kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+                c = bj * tl.sum(kj * T, axis=0)
+                live = (tl.zeros([BLOCK_K], tl.int32) + i) < n
+                T = tl.where(live, aj * (T - c * kj), T)
+                c_ring = tl.where((ring_slots == i) & (ring_slots < n), c, c_ring)
+            newest_first = n - 1 - ring_slots
+            for chunk in range(V_LOOP):
+                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+                row_mask = rows < V
+                if not PREFETCH:
+                    codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
+                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
+                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                if PREFETCH and chunk + 1 < V_LOOP:
+                    next_rows = rows + BLOCK_V
+                    codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
+                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
+                v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
+                tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+                ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
+                                  mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
+                o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
+                tile.store_output(out_row, o + tl.sum(base * T[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
 
 
 @triton.jit

@@ -59,18 +59,42 @@ def load_tile(codes_ptr, scale_ptr, rows, cols, row_mask, K, s_row, s_scale_row,
               BLOCK_K: tl.constexpr):
     """fp32 ``code · scale`` of one head's tile, zero outside ``row_mask`` and K (``codes_ptr``,
     ``scale_ptr``: the head's first element and scale; block32 scales are contiguous over K)."""
+    codes, scale = load_raw(codes_ptr, scale_ptr, rows, cols, row_mask, K, s_row, s_scale_row, GRAN, BLOCK_K)
+    return dequantize(codes, scale, DTYPE, GRAN, HW, BLOCK_V, BLOCK_K)
+
+
+@triton.jit
+def load_raw(codes_ptr, scale_ptr, rows, cols, row_mask, K, s_row, s_scale_row, GRAN: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """:func:`load_tile`'s loads alone, ``(codes, scales)``: nothing waits on them, so a caller
+    can issue them ahead of other work (scales: ``[BLOCK_V]`` row, scalar head, ``[BLOCK_V,
+    BLOCK_K // 32]`` block32, 1.0 unscaled)."""
     mask = row_mask[:, None] & (cols[None, :] < K)
     codes = tl.load(codes_ptr + rows[:, None] * s_row + cols[None, :], mask=mask, other=0)
-    values = codec.decode(codes, DTYPE, HW)
     if GRAN == GRAN_ROW:
-        values = values * tl.load(scale_ptr + rows * s_scale_row, mask=row_mask, other=1.0)[:, None]
+        scale = tl.load(scale_ptr + rows * s_scale_row, mask=row_mask, other=1.0)
     elif GRAN == GRAN_HEAD:
-        values = values * tl.load(scale_ptr)
+        scale = tl.load(scale_ptr)
     elif GRAN == GRAN_BLOCK32:
-        NB: tl.constexpr = BLOCK_K // 32
-        blocks = tl.arange(0, NB)
+        blocks = tl.arange(0, BLOCK_K // 32)
         scale = tl.load(scale_ptr + rows[:, None] * s_scale_row + blocks[None, :],
                         mask=row_mask[:, None] & (blocks[None, :] < K // 32), other=1.0)
+    else:
+        scale = 1.0
+    return codes, scale
+
+
+@triton.jit
+def dequantize(codes, scale, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr, BLOCK_V: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """fp32 ``code · scale`` of :func:`load_raw`'s codes and scales."""
+    values = codec.decode(codes, DTYPE, HW)
+    if GRAN == GRAN_ROW:
+        values = values * scale[:, None]
+    elif GRAN == GRAN_HEAD:
+        values = values * scale
+    elif GRAN == GRAN_BLOCK32:
+        NB: tl.constexpr = BLOCK_K // 32
         values = tl.reshape(tl.reshape(values, [BLOCK_V, NB, 32]) * scale[:, :, None], [BLOCK_V, BLOCK_K])
     return values
 

@@ -237,3 +237,21 @@ def test_torch_compile_through_the_custom_ops():
         assert torch.equal(state, eager_state)
         for name in ("checkpoint", "read", "read_scale", "ring_k", "cursor"):
             assert torch.equal(getattr(traced, name), getattr(eager, name)), name
+
+
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch", [(*CASES[1], True), (*CASES[2], False)])
+def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch):
+    """The GPU's launch shape under the interpreter: V split over programs, each sweeping the ring
+    once and streaming several chunks of V (here 2 programs × 2 chunks of 4 rows of V = 16), with
+    and without loading a chunk ahead."""
+    from qstate.kernels.gated_delta import replay
+    monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
+    monkeypatch.setattr(replay, "PREFETCH", prefetch)
+    cache = allocate(2, channel=channel, ring_len=ring_len, read=read, checkpoint=checkpoint)
+    cache.reset([0, 1], torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(6)))
+    tracker = Tracker(cache)
+    for t in range(ring_len + 1):
+        inp = token(2, 1, 2, 32, 16, channel=channel, seed=10 + t)
+        _, out, expected = tracker.step(inp, [1, 0])
+        assert rel_rms(out, expected) < bound(32, ring_len), f"step {t}"
+        check_read_copy(cache)
