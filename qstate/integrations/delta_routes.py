@@ -13,7 +13,7 @@ that storage holds, transposed back to ``(batch, HV, K, V)``, so that anything t
 with its cache sees qstate's state.
 
 A route re-reads transformers' state (``sync``) whenever it is not bit for bit the state the
-route last returned: the first step after a prefill (whose chunked function stays as
+route last returned (rounded to the cache's dtype): the first step after a prefill (whose chunked function stays as
 transformers has it), or a cache changed from outside (a reorder, a reset). The comparison and
 the returned copy cost two state reads and a write per step: the patch measures numerics, it
 does not save memory.
@@ -103,7 +103,8 @@ class DeltaLayerRoute:
                 f"cache: layer {self.name}'s recurrent state is on {initial_state.device} but its inputs are on "
                 f"{value.device}; keep the model and its cache on one device")
         step = DeltaDecodeStep(query, key, value, g, beta, use_qk_l2norm_in_kernel)
-        if self._stale or self._returned is None or not _bits_equal(initial_state, self._returned):
+        if self._stale or self._returned is None or not _bits_equal(initial_state,
+                                                                    self._returned.to(initial_state.dtype)):
             check_kernels_can_run(initial_state.device)
             self.sync(initial_state.transpose(-1, -2), step)
         o, state = self.decode(step)

@@ -239,6 +239,15 @@ def find_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if not layers:
         return find_mixers(model)
     _check_transformers_version(type(layers[0][1]).__module__)
+    for name, layer in layers:
+        # a release that binds its step function to the layer would bypass the swapped module name
+        step = getattr(sys.modules[type(layer).__module__], SUPPORTED_DELTA_LAYERS[type(layer).__name__])
+        bound = [key for key, value in {**vars(layer), **layer._modules}.items()
+                 if value is step or (callable(value) and "delta" in getattr(value, "__name__", ""))]
+        if bound:
+            raise ValueError(f"model: layer {name} holds its decode function as attribute(s) {bound}, which "
+                             f"the qstate patch cannot route; use a transformers release that calls "
+                             f"{SUPPORTED_DELTA_LAYERS[type(layer).__name__]} by name")
     return layers
 
 

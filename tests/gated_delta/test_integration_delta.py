@@ -222,3 +222,16 @@ def test_a_route_resyncs_after_an_outside_write_only(make_route):
         cache_state.copy_(new_state)
     assert [steps for steps, _ in log["syncs"]] == [0, 3]
     assert route.steps == 5
+
+
+def test_a_layer_holding_its_step_function_is_rejected(model):
+    """Releases that bind the step function to the layer at init would bypass the swapped name."""
+    functions = _functions(model)
+    name, layer = qt.find_layers(model)[0]
+    layer.recurrent_gated_delta_rule = next(iter(functions.values()))
+    try:
+        with pytest.raises(ValueError, match=f"model: layer {name} holds its decode function"):
+            qt.patch(model, "fp32")
+    finally:
+        del layer.recurrent_gated_delta_rule
+    _assert_unpatched(model, functions)
