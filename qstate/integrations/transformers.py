@@ -54,7 +54,8 @@ from .delta_observe import SUPPORTED_LAYERS as SUPPORTED_DELTA_LAYERS
 from .delta_observe import find_delta_layers
 from .delta_routes import DeltaConventionalRoute, DeltaReplayRoute
 
-__all__ = ["SUPPORTED_MIXERS", "SUPPORTED_DELTA_LAYERS", "Patch", "patch", "attach_routes", "find_mixers", "decode_logits"]
+__all__ = ["SUPPORTED_MIXERS", "SUPPORTED_DELTA_LAYERS", "Patch", "patch", "attach_routes", "find_mixers", "find_layers",
+           "decode_logits"]
 
 SUPPORTED_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
 STEP_FUNCTION = "mamba2_selective_state_update"
@@ -251,7 +252,7 @@ def find_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return layers
 
 
-def is_delta_layer(layer: torch.nn.Module) -> bool:
+def _is_delta_layer(layer: torch.nn.Module) -> bool:
     return type(layer).__name__ in SUPPORTED_DELTA_LAYERS
 
 
@@ -268,7 +269,7 @@ def attach_routes(model: torch.nn.Module, make_route: Callable[[str, torch.nn.Mo
 
 
 def _route(scheme, seed: int, name: str, layer: torch.nn.Module):
-    if is_delta_layer(layer):
+    if _is_delta_layer(layer):
         if scheme.is_replay:
             if scheme.ring == "corrected":
                 raise ValueError(f"scheme: the delta-rule replay op keeps an inputs ring, got {scheme} "
