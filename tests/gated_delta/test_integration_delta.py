@@ -235,3 +235,15 @@ def test_a_layer_holding_its_step_function_is_rejected(model):
     finally:
         del layer.recurrent_gated_delta_rule
     _assert_unpatched(model, functions)
+
+
+def test_a_bf16_model_keeps_bf16_inputs_in_the_ring():
+    """A bf16 model hands bf16 q, k, v: the replay ring stores them as they come, and the ring
+    is kept between steps (2 steps of ring 3 leave cursor 2)."""
+    model = tiny.qwen3_5().to(torch.bfloat16)
+    with qt.patch(model, "replay/fp32/fp8_e4m3:row/3") as patched:
+        _, logits = qt.decode_logits(model, tiny.prompt(batch=1, length=4, seed=5), 2)
+    (cache,) = patched.caches.values()
+    assert set(patched.steps.values()) == {2} and cache.cursor.tolist() == [2]
+    assert cache.ring_k.dtype == cache.ring_v.dtype == torch.bfloat16
+    assert torch.isfinite(logits).all()
