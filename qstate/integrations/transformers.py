@@ -1,4 +1,5 @@
-"""transformers drop-in: decode a Mamba-2 / Nemotron-H model through qstate.
+"""transformers drop-in: decode a Mamba-2 / Nemotron-H or gated delta rule (Qwen3-Next, Qwen3.5,
+Qwen3.5-MoE, Kimi Linear) model through qstate.
 
 ::
 
@@ -20,8 +21,15 @@ state it stores in its cache. :func:`patch`
    :func:`qstate.replay_decode` over a :class:`qstate.ReplayCache` that is ``reset`` with the
    prefill's final state.
 
-Prefill stays as transformers does it. Restoring removes both, exactly. Only the mixer classes
-whose decode call was read and checked are recognised: :data:`SUPPORTED_MIXERS`.
+Gated delta rule layers are patched the same way through the one-token function their class
+calls (:data:`SUPPORTED_DELTA_LAYERS`; docs/design.md#gdn-clients): conventional schemes go to
+:func:`qstate.gated_delta_update`, replay schemes to :func:`qstate.gated_delta_replay` over a
+:class:`qstate.GatedDeltaReplayCache` (:mod:`.delta_routes`). A model with delta layers has
+only those patched.
+
+Prefill stays as transformers does it. Restoring removes both, exactly. Only the layer classes
+whose decode call was read and checked are recognised: :data:`SUPPORTED_MIXERS`,
+:data:`SUPPORTED_DELTA_LAYERS`.
 
 Needs transformers >= 5.0, < 5.26 (the ``hf`` extra; :data:`SUPPORTED_TRANSFORMERS`) only to
 build the model; this module imports no third-party library. Models of other releases are
@@ -42,8 +50,12 @@ from typing import Callable, Optional
 import torch
 
 from .decode_routes import ConventionalRoute, LayerRoute, ReplayRoute
+from .delta_observe import SUPPORTED_LAYERS as SUPPORTED_DELTA_LAYERS
+from .delta_observe import find_delta_layers
+from .delta_routes import DeltaConventionalRoute, DeltaReplayRoute
 
-__all__ = ["SUPPORTED_MIXERS", "Patch", "patch", "attach_routes", "find_mixers", "decode_logits"]
+__all__ = ["SUPPORTED_MIXERS", "SUPPORTED_DELTA_LAYERS", "Patch", "patch", "attach_routes", "find_mixers", "find_layers",
+           "decode_logits"]
 
 SUPPORTED_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
 STEP_FUNCTION = "mamba2_selective_state_update"
@@ -54,7 +66,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # by transformer
 SUPPORTED_TRANSFORMERS = ((5, 0), (5, 26))  # from, up to but not including
 
 _ACTIVE_ROUTE: contextvars.ContextVar = contextvars.ContextVar("qstate_active_route", default=None)
-_INSTALLED: dict[str, list] = {}  # modeling module name -> [original function, number of patches using it]
+_INSTALLED: dict[tuple, list] = {}  # (modeling module, function) -> [original function, number of patches using it]
 
 
 def find_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -102,26 +114,28 @@ def _dispatcher(original: Callable) -> Callable:
     return dispatch
 
 
-def _install(module_name: str) -> None:
-    entry = _INSTALLED.get(module_name)
+def _install(target: tuple) -> None:
+    entry = _INSTALLED.get(target)
     if entry is not None:
         entry[1] += 1
         return
+    module_name, function = target
     module = sys.modules[module_name]
-    original = getattr(module, STEP_FUNCTION)
-    setattr(module, STEP_FUNCTION, _dispatcher(original))
-    _INSTALLED[module_name] = [original, 1]
+    original = getattr(module, function)
+    setattr(module, function, _dispatcher(original))
+    _INSTALLED[target] = [original, 1]
 
 
-def _uninstall(module_name: str) -> None:
-    entry = _INSTALLED[module_name]
+def _uninstall(target: tuple) -> None:
+    entry = _INSTALLED[target]
     entry[1] -= 1
     if entry[1] > 0:
         return
-    del _INSTALLED[module_name]
+    del _INSTALLED[target]
+    module_name, function = target
     module = sys.modules[module_name]
-    if getattr(getattr(module, STEP_FUNCTION), "__qstate_original__", None) is entry[0]:
-        setattr(module, STEP_FUNCTION, entry[0])
+    if getattr(getattr(module, function), "__qstate_original__", None) is entry[0]:
+        setattr(module, function, entry[0])
 
 
 def _wrap_forward(mixer: torch.nn.Module, route) -> None:
@@ -157,8 +171,8 @@ class Patch:
         self.model = model
         self.scheme = scheme
         self.routes = routes
-        self._mixers = mixers  # [(mixer, had its own forward attribute)]
-        self._modules = sorted({type(m).__module__ for m, _ in mixers})
+        self._mixers = mixers  # [(mixer or delta layer, had its own forward attribute)]
+        self._modules = sorted({(type(m).__module__, _step_function(m)) for m, _ in mixers})
         self.active = False
 
     def _apply(self) -> None:
@@ -166,9 +180,9 @@ class Patch:
             raise ValueError("model: already patched by qstate; restore the first patch before patching again")
         done_mixers, done_modules = [], []
         try:
-            for module_name in self._modules:
-                _install(module_name)
-                done_modules.append(module_name)
+            for target in self._modules:
+                _install(target)
+                done_modules.append(target)
             for (mixer, had_own), route in zip(self._mixers, self.routes.values()):
                 _wrap_forward(mixer, route)
                 done_mixers.append((mixer, had_own))
@@ -176,8 +190,8 @@ class Patch:
         except BaseException:
             for mixer, had_own in reversed(done_mixers):
                 _unwrap_forward(mixer, had_own)
-            for module_name in reversed(done_modules):
-                _uninstall(module_name)
+            for target in reversed(done_modules):
+                _uninstall(target)
             raise
         self.active = True
 
@@ -187,8 +201,8 @@ class Patch:
             return
         for mixer, had_own in reversed(self._mixers):
             _unwrap_forward(mixer, had_own)
-        for module_name in reversed(self._modules):
-            _uninstall(module_name)
+        for target in reversed(self._modules):
+            _uninstall(target)
         del self.model._qstate_patch
         self.active = False
 
@@ -204,7 +218,8 @@ class Patch:
 
     @property
     def caches(self) -> dict:
-        """Replay schemes: the :class:`qstate.ReplayCache` of each layer (None before its first step)."""
+        """Replay schemes: the :class:`qstate.ReplayCache` (Mamba-2) or
+        :class:`qstate.GatedDeltaReplayCache` (delta rule) of each layer (None before its first step)."""
         return {name: getattr(route, "cache", None) for name, route in self.routes.items()}
 
     def __enter__(self) -> "Patch":
@@ -214,35 +229,79 @@ class Patch:
         self.restore()
 
 
+def _step_function(layer: torch.nn.Module) -> str:
+    return SUPPORTED_DELTA_LAYERS.get(type(layer).__name__, STEP_FUNCTION)
+
+
+def find_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers :func:`patch` routes: the gated delta rule layers of ``model``
+    (:data:`SUPPORTED_DELTA_LAYERS`) when it has any, else its Mamba-2 mixers (:func:`find_mixers`)."""
+    layers = find_delta_layers(model)
+    if not layers:
+        return find_mixers(model)
+    _check_transformers_version(type(layers[0][1]).__module__)
+    for name, layer in layers:
+        # a release that binds its step function to the layer would bypass the swapped module name
+        step = getattr(sys.modules[type(layer).__module__], SUPPORTED_DELTA_LAYERS[type(layer).__name__])
+        bound = [key for key, value in {**vars(layer), **layer._modules}.items()
+                 if value is step or (callable(value) and "delta" in getattr(value, "__name__", ""))]
+        if bound:
+            raise ValueError(f"model: layer {name} holds its decode function as attribute(s) {bound}, which "
+                             f"the qstate patch cannot route; use a transformers release that calls "
+                             f"{SUPPORTED_DELTA_LAYERS[type(layer).__name__]} by name")
+    return layers
+
+
+def _is_delta_layer(layer: torch.nn.Module) -> bool:
+    return type(layer).__name__ in SUPPORTED_DELTA_LAYERS
+
+
 def attach_routes(model: torch.nn.Module, make_route: Callable[[str, torch.nn.Module], object],
                   scheme=None) -> Patch:
-    """Patch ``model`` with ``make_route(name, mixer)`` per mixer (a :class:`LayerRoute`-like
-    callable). All routes are built before anything is changed; on failure nothing is."""
-    mixers = find_mixers(model)
+    """Patch ``model`` with ``make_route(name, layer)`` per layer of :func:`find_layers` (a
+    :class:`LayerRoute`- or :class:`~.delta_routes.DeltaLayerRoute`-like callable). All routes
+    are built before anything is changed; on failure nothing is."""
+    mixers = find_layers(model)
     routes = {name: make_route(name, mixer) for name, mixer in mixers}
     result = Patch(model, routes, [(m, "forward" in m.__dict__) for _, m in mixers], scheme)
     result._apply()
     return result
 
 
-def _route_factory(scheme, seed: int) -> Callable[[str, torch.nn.Module], LayerRoute]:
+def _route(scheme, seed: int, name: str, layer: torch.nn.Module):
+    if _is_delta_layer(layer):
+        if scheme.is_replay:
+            if scheme.ring == "corrected":
+                raise ValueError(f"scheme: the delta-rule replay op keeps an inputs ring, got {scheme} "
+                                 f"(drop the '/corrected')")
+            return DeltaReplayRoute(name, scheme.checkpoint, scheme.read, scheme.ring_len)
+        return DeltaConventionalRoute(name, scheme.fmt, seed=seed)
     if scheme.is_replay:
-        return lambda name, mixer: ReplayRoute(name, scheme.checkpoint, scheme.read, scheme.ring_len, seed=seed)
-    return lambda name, mixer: ConventionalRoute(name, scheme.fmt, seed=seed)
+        return ReplayRoute(name, scheme.checkpoint, scheme.read, scheme.ring_len, seed=seed)
+    return ConventionalRoute(name, scheme.fmt, seed=seed)
+
+
+def _route_factory(scheme, seed: int) -> Callable[[str, torch.nn.Module], LayerRoute]:
+    return functools.partial(_route, scheme, seed)
 
 
 def patch(model: torch.nn.Module, scheme, *, seed: int = 0) -> Patch:
-    """Route the one-token decode step of every Mamba-2 mixer of ``model`` through qstate.
+    """Route the one-token decode step of every Mamba-2 mixer or gated delta rule layer of
+    ``model`` through qstate.
 
     ``model``: a transformers ``Mamba2ForCausalLM`` or ``NemotronHForCausalLM`` (or any module
-    holding :data:`SUPPORTED_MIXERS`). ``scheme``: a :class:`qstate.analysis.schemes.Scheme` or its
+    holding :data:`SUPPORTED_MIXERS`), or a Qwen3-Next, Qwen3.5 (dense or MoE) or Kimi Linear
+    model (any module holding :data:`SUPPORTED_DELTA_LAYERS`: conventional schemes run
+    :func:`qstate.gated_delta_update`, replay schemes :func:`qstate.gated_delta_replay`; module
+    :mod:`.delta_routes`). ``scheme``: a :class:`qstate.analysis.schemes.Scheme` or its
     string form (``"fp32"``, ``"fp8_e4m3:row"``, ``"replay/fp32/16"``,
     ``"replay/fp32/fp8_e4m3:row/16"``). ``seed`` keys stochastic rounding.
 
     Returns a :class:`Patch`, also a context manager that restores the model on exit.
     ``model.generate()`` and ``model(...)`` work unchanged; prefill runs as before and its final
-    state seeds qstate's storage. Raises ``ValueError`` for a model without Mamba-2 mixers, a
-    scheme that does not parse, or a model that is already patched; the model is then unchanged.
+    state seeds qstate's storage. Raises ``ValueError`` for a model with neither, a scheme that
+    does not parse (or a ``corrected`` ring on a delta-rule model), or a model that is already
+    patched; the model is then unchanged.
     """
     from ..analysis.schemes import Scheme
 
