@@ -260,7 +260,8 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
                 seed: int = 0) -> ModelDrift:
     """Teacher-forced drift of ``model`` under each scheme against the unpatched model.
 
-    ``model``: a transformers ``Mamba2ForCausalLM`` / ``NemotronHForCausalLM`` (not patched);
+    ``model``: a transformers ``Mamba2ForCausalLM`` / ``NemotronHForCausalLM``, or a Qwen3-Next,
+    Qwen3.5, Qwen3.5-MoE or Kimi Linear causal LM (not patched);
     ``input_ids (batch, prompt_len)`` on the model's device; ``schemes``: scheme strings or
     :class:`Scheme` objects (or one comma-separated string); ``new_tokens`` decode steps, fed
     the reference's greedy tokens; ``seed`` keys stochastic rounding. Returns a :class:`ModelDrift`.
@@ -268,15 +269,18 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
     whose decode bypasses transformers' step function), rather than report its logits.
     """
     from qstate import profiles
-    from qstate.integrations.transformers import decode_logits, find_mixers, patch
+    from qstate.integrations.transformers import decode_logits, find_delta_layers, find_layers, patch
 
     parsed = parse_schemes(schemes)
-    mixers = find_mixers(model)
+    layers = find_layers(model)
     if getattr(model, "_qstate_patch", None) is not None:
         raise ValueError("model: it is patched by qstate; model_drift needs the unpatched model as its reference")
-    first = mixers[0][1]
-    profile = profiles.Profile(type(model).__name__, first.num_heads, first.head_dim, first.ssm_state_size,
-                               first.n_groups, len(mixers))
+    if find_delta_layers(model):
+        profile = profiles.from_hf_config(model.config.to_dict())
+    else:
+        first = layers[0][1]
+        profile = profiles.Profile(type(model).__name__, first.num_heads, first.head_dim, first.ssm_state_size,
+                                   first.n_groups, len(layers))
     tokens, reference = decode_logits(model, input_ids, new_tokens)
     results = []
     for scheme in parsed:
@@ -286,9 +290,10 @@ def model_drift(model, input_ids: torch.Tensor, schemes: Union[str, Scheme, Sequ
         if missing:
             # logits equal to the reference's would report the scheme as free
             raise RuntimeError(
-                f"model_drift: expected qstate to run all {new_tokens} decode steps of every Mamba-2 layer under "
-                f"{scheme}, got {missing} (steps per layer): the model's decode did not call transformers' "
-                f"mamba2_selective_state_update, for example after kernelize()")
+                f"model_drift: expected qstate to run all {new_tokens} decode steps of every recurrent layer under "
+                f"{scheme}, got {missing} (steps per layer): the model's decode did not call transformers' step "
+                f"function (mamba2_selective_state_update, torch_recurrent_gated_delta_rule or "
+                f"recurrent_kimi_delta_attention), for example after kernelize()")
         results.append(SchemeDrift.compare(scheme, reference, logits))
     return ModelDrift(tokens.cpu(), results, profile)
 
