@@ -9,7 +9,7 @@ sampling the inputs, the exact fp64 recurrence, recording errors (every 64 steps
     python bench/drift_speed.py [--threads 2] [--steps 512] [--family mamba2|gated_delta] [--out bench/results]
 
 Writes ``drift_speed.json`` under ``--out`` and prints a markdown table (paste it into
-bench/README.md with the date, machine and command); exits 1 when a case misses the target, at
+analysis/README.md#drift-speed with the date, machine and command); exits 1 when a case misses the target, at
 least 1e8 element-steps/s for fp32 and 8-bit schemes on 2 cores, for both layer families.
 """
 
