@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _validate
+from ..cache import SEED_LIMIT
 from ..formats import StateFormat, as_format
 from ..kernels.common import codec
 
@@ -222,3 +223,22 @@ def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
     unit_inner_stride("out", out)
     if out.device != x.device:
         raise ValueError(f"out: expected a tensor on {x.device}, got {out.device}")
+
+
+def resolve_seed(seed, stochastic: bool, device):
+    """(int seed, seed tensor or None) of a conventional op's ``seed``. A tensor seed is read on
+    the device, so a captured CUDA graph can draw new noise each replay by refilling it; an int is
+    baked into the graph; None draws from torch's CPU generator (no device sync), for stochastic
+    formats only."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64) or seed.device != device:
+            raise ValueError(f"seed: expected one int32/int64 element on {device}, got shape {tuple(seed.shape)} "
+                             f"{seed.dtype} on {seed.device}")
+        return 0, seed
+    if seed is None:
+        return (int(torch.randint(0, 2**31 - 1, ())) if stochastic else 0), None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, a device tensor or None, got {type(seed).__name__}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
+    return seed, None

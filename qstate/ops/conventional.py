@@ -9,7 +9,6 @@ from typing import Optional, Union
 import torch
 
 from .. import _validate
-from ..cache import SEED_LIMIT
 from ..kernels.common.launch import Dispatch
 from ..kernels.mamba2 import conventional as _kernel
 from . import _common, _signature
@@ -45,24 +44,6 @@ def _selective_state_update_impl(
 _selective_state_update_op = mutating_op(_OP_NAME, _selective_state_update_impl,
                                          ("state", "state_scale", "out", "slot_flags"))
 _DISPATCH = Dispatch(_OP_NAME)
-
-
-def _resolve_seed(seed, consts, device):
-    """(int seed, seed tensor or None). A tensor seed is read on the device, so a captured CUDA
-    graph can draw new noise each replay by refilling it; an int is baked into the graph."""
-    if isinstance(seed, torch.Tensor):
-        if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64) or seed.device != device:
-            raise ValueError(f"seed: expected one int32/int64 element on {device}, got shape {tuple(seed.shape)} "
-                             f"{seed.dtype} on {seed.device}")
-        return 0, seed
-    if seed is None:
-        # Only stochastic formats use it; draw from torch's CPU generator (no device sync).
-        return (int(torch.randint(0, 2**31 - 1, ())) if consts.stochastic else 0), None
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed: expected an int, a device tensor or None, got {type(seed).__name__}")
-    if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
-    return seed, None
 
 
 def _check_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, state_scale,
@@ -176,7 +157,7 @@ def selective_state_update(
         _common.check_slot_values(state_batch_indices, state.shape[0], pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
-    seed_value, seed_tensor = _resolve_seed(seed, consts, state.device)
+    seed_value, seed_tensor = _common.resolve_seed(seed, consts.stochastic, state.device)
     # In the kernel's order: the flags and the seed tensor before the seed.
     given = (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, slot_flags, seed_tensor,
              seed_value)

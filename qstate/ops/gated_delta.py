@@ -8,7 +8,6 @@ from typing import Optional, Union
 
 import torch
 
-from ..cache import SEED_LIMIT
 from ..kernels.common import codec
 from ..kernels.gated_delta import conventional as _kernel
 from ..kernels.common.launch import Dispatch
@@ -33,23 +32,6 @@ def _gated_delta_update_impl(
 
 _gated_delta_update_op = mutating_op(_OP_NAME, _gated_delta_update_impl, ("state", "state_scale", "out"))
 _DISPATCH = Dispatch(_OP_NAME)
-
-
-def _resolve_seed(seed, stochastic: bool, device):
-    """(int seed, seed tensor or None): a tensor seed is read on the device (refill it between
-    CUDA-graph replays); None draws from torch's CPU generator (no device sync)."""
-    if isinstance(seed, torch.Tensor):
-        if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64) or seed.device != device:
-            raise ValueError(f"seed: expected one int32/int64 element on {device}, got shape {tuple(seed.shape)} "
-                             f"{seed.dtype} on {seed.device}")
-        return 0, seed
-    if seed is None:
-        return (int(torch.randint(0, 2**31 - 1, ())) if stochastic else 0), None
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed: expected an int, a device tensor or None, got {type(seed).__name__}")
-    if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
-    return seed, None
 
 
 def _check_args(state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, state_scale, state_format,
@@ -139,7 +121,7 @@ def gated_delta_update(
     if state_indices is not None:
         _check_index_values(state_indices, state.shape[0], pad_slot_id)
     _gated_delta_checks.check_values(g, beta)
-    seed_value, seed_tensor = _resolve_seed(seed, consts.stochastic, state.device)
+    seed_value, seed_tensor = _common.resolve_seed(seed, consts.stochastic, state.device)
     if out is None:
         out = torch.empty_like(v)
     qk_scale = state.shape[3] ** -0.5 if scale is None else float(scale)
