@@ -79,3 +79,19 @@ def decode_inputs(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, *, time_m
         tensor("z", z, ndim=3 + lead)
         shape("z", z, tuple(x.shape), f"({tname}batch, nheads, headdim)")
     return Dims(batch, nheads, headdim, dstate, ngroups)
+
+
+def cache_tensors(expected: dict, device) -> None:
+    """Check a cache's tensors: ``expected`` maps each name to ``(tensor, shape, dtype)``; each
+    must be a contiguous tensor of that shape and dtype on ``device`` (the checkpoint's)."""
+    for name, (t, shp, dtype) in expected.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(shp):
+            raise ValueError(f"{name}: expected shape {tuple(shp)}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (the checkpoint's), got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")

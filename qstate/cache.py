@@ -256,18 +256,7 @@ class ReplayCache:
             raise ValueError(f"ring_B: nheads ({nheads}) must be a multiple of ngroups, got {ngroups}")
         _check_block32(self.checkpoint_format, "checkpoint", dstate)
         _check_block32(self.read_format, "read", dstate)
-        device = self.checkpoint.device
-        for name, (t, shp, dtype) in expected.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != tuple(shp):
-                raise ValueError(f"{name}: expected shape {tuple(shp)}, got {tuple(t.shape)}")
-            if t.dtype != dtype:
-                raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-            if t.device != device:
-                raise ValueError(f"{name}: expected device {device} (the checkpoint's), got {t.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        _validate.cache_tensors(expected, self.checkpoint.device)
 
     # ---------------------------------------------------------------- sizes
 

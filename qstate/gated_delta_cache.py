@@ -182,18 +182,7 @@ class GatedDeltaReplayCache:
                 raise ValueError(f"{name}: expected a tensor of shape {tuple(want[0])} for read format {rd}, got None")
             else:
                 expected[name] = (t, want[0], want[1])
-        device = self.checkpoint.device
-        for name, (t, shp, dtype) in expected.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != tuple(shp):
-                raise ValueError(f"{name}: expected shape {tuple(shp)}, got {tuple(t.shape)}")
-            if t.dtype != dtype:
-                raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-            if t.device != device:
-                raise ValueError(f"{name}: expected device {device} (the checkpoint's), got {t.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        _validate.cache_tensors(expected, self.checkpoint.device)
 
     # ---------------------------------------------------------------- sizes
 
