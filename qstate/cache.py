@@ -71,7 +71,7 @@ import torch
 
 from . import _validate
 from .formats import FLT_MIN, FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
-from .kernels.mamba2 import slot_flags as _slot_flags
+from .kernels.common import slot_flags as _slot_flags
 
 __all__ = ["ReplayCache", "SLOT_BAD_CURSOR", "SLOT_NONFINITE"]
 

@@ -8,7 +8,7 @@ from ..common import codec, pdl
 from ..common.constants import (BF16, FP32, FP8_E4M3, GRAN_BLOCK32, GRAN_HEAD, GRAN_NONE, GRAN_ROW, INT8,
                                 SR_NOISE8, SR_UNIFORM, SR_UNIFORM4)
 from ..common.softplus import softplus
-from .slot_flags import flag_nonfinite
+from ..common.slot_flags import flag_nonfinite
 
 # Output dtypes (constexpr ``OUT_DTYPE``): bf16 is stored as its bits (int16).
 OUT_FP32 = tl.constexpr(0)

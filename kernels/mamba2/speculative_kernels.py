@@ -10,7 +10,7 @@ from ..common import exact_dot
 from ..common.gate import gate
 from ..common.softplus import softplus
 from .ring import fold_ring, head_tile, load_scaled_codes, load_state, process_dt, slot_of, store_state
-from .slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
+from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 
 
 # Bits of ``commit_errors`` the commit kernel sets.
