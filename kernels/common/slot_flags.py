@@ -21,11 +21,11 @@ def flag_slot(flags_ptr, slot, bits):
 @triton.jit
 def flag_nonfinite(flags_ptr, slot, values, mask):
     """OR ``SLOT_NONFINITE`` into ``slot``'s flags if an fp32 element of ``values`` under ``mask``
-    is NaN or ±inf: one atomic per such element, predicated off elsewhere (no reduction, no
-    memory traffic on a finite tile)."""
-    bad = mask & ~(tl.abs(values) < float("inf"))
-    tl.atomic_or(flags_ptr + slot + tl.zeros(values.shape, tl.int32), tl.full(values.shape, SLOT_NONFINITE, tl.int32),
-                 mask=bad)
+    is NaN or ±inf: one integer max over the tile (exact, so every lane holds the same answer)
+    and at most one atomic, predicated off on a finite tile (one atomic per element cost the
+    replay flush step 15 % on the H200)."""
+    bad = tl.max(tl.where(mask & ~(tl.abs(values) < float("inf")), 1, 0))
+    tl.atomic_or(flags_ptr + slot, SLOT_NONFINITE, mask=bad > 0)
 
 
 @triton.jit

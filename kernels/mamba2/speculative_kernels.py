@@ -253,8 +253,8 @@ def _verify_flush_kernel(
         # Stochastic rounding: one Philox stream per (slot, flush), as the replay flush draws it.
         stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
         new_state = tl.exp(A * total) * checkpoint + ring
-        # A row's sum is non-finite where one of its elements is (this kernel computes no outputs).
-        flag_nonfinite(slot_flags_ptr, slot, tl.sum(new_state, axis=1), mask_p)
+        # This kernel computes no outputs: the new state's own elements are checked.
+        flag_nonfinite(slot_flags_ptr, slot, new_state, mask)
         stored = store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols, nheads, headdim,
                              dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
         if HAS_READ:

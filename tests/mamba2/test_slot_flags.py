@@ -9,9 +9,12 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from qstate import SLOT_BAD_CURSOR, SLOT_NONFINITE, quantize
 from qstate.cache import ReplayCache
+from qstate.kernels.common.slot_flags import flag_nonfinite
 from qstate.ops.conventional import selective_state_update
 from qstate.ops.replay import replay_decode
 from qstate.ops.speculative import replay_commit, replay_verify
@@ -142,3 +145,36 @@ def test_verify_and_its_flush_flag_the_poisoned_slot_only():
     assert cache.slot_flags.tolist() == [0, SLOT_NONFINITE, 0]
     _same_slots(cache, clean, [0, 2])
     assert torch.equal(out[[0, 2]], expected[[0, 2]])
+
+
+@triton.jit
+def _flag_tile_kernel(values_ptr, flags_ptr, slots_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      TWO_D: tl.constexpr):
+    r = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    values = tl.load(values_ptr + tl.program_id(0) * BLOCK_R * BLOCK_C + r[:, None] * BLOCK_C + c[None, :])
+    slot = tl.load(slots_ptr + tl.program_id(0))
+    if TWO_D:
+        flag_nonfinite(flags_ptr, slot, values, mask)
+    else:
+        flag_nonfinite(flags_ptr, slot, tl.reshape(values, [BLOCK_R * BLOCK_C]), tl.reshape(mask, [BLOCK_R * BLOCK_C]))
+
+
+@pytest.mark.parametrize("two_d", [True, False])
+def test_flag_nonfinite_sets_the_bit_once_and_only_under_the_mask(two_d):
+    # Tiles of 4 × 8 with 3 × 5 live: per program a value placed at a live or a masked position.
+    cases = [(None, False), ((1, 2, NAN), True), ((2, 4, float("inf")), True), ((0, 0, float("-inf")), True),
+             ((3, 1, NAN), False), ((1, 6, float("inf")), False), ((2, 2, 3.4e38), False)]
+    values = torch.randn(len(cases), 4, 8, generator=torch.Generator().manual_seed(1))
+    for i, (where, _) in enumerate(cases):
+        if where is not None:
+            values[i, where[0], where[1]] = where[2]
+    values[6, :3, :5] = 3.4e38  # finite everywhere: a row sum would overflow, the elements do not
+    slots = torch.arange(len(cases), dtype=torch.int32) * 2  # odd words are neighbours: never touched
+    flags = torch.zeros(2 * len(cases), dtype=torch.int32)
+    flags[1::2] = 4  # a bit the kernel must leave alone
+    _flag_tile_kernel[(len(cases),)](values, flags, slots, 3, 5, BLOCK_R=4, BLOCK_C=8, TWO_D=two_d)
+    expected = torch.tensor([SLOT_NONFINITE if bad else 0 for _, bad in cases], dtype=torch.int32)
+    assert torch.equal(flags[0::2], expected)
+    assert torch.equal(flags[1::2], torch.full((len(cases),), 4, dtype=torch.int32))
