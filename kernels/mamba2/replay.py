@@ -18,6 +18,19 @@ P-tile) items; each item folds the ring into the checkpoint (from the stored che
 fp32) and writes the output, the new checkpoint and the read copy.
 It also advances every row's cursor, and the last program to finish clears the list, so the
 next step starts clean without the host looking.
+
+Single-launch step kernel (``launch_replay_decode(fused=True)``; by default below
+``FUSED_BELOW_BATCH`` rows), grid ``(nheads × P-tiles, batch)`` at the flush kernel's tile: the
+per-head step kernel whose flushing rows' programs also do the flush kernel's work for their
+tile, so a step is one launch and normal rows never wait for a second kernel. The last program
+of each row to finish (a ticket per slot in ``flush_rows``) moves its cursor and generation.
+Outputs and checkpoints are bit-identical to the two-launch path's per-head kernel.
+
+Every kernel takes ``agree`` (constexpr ``AGREE``): each fp32 sum that feeds an output is made
+bit-identical across the lanes holding it before any layout conversion
+(``ring.agree_rows``; a candidate against racecheck's shared-memory WAW reports), and
+``fp_fusion=False`` compiles every kernel without FMA contraction (a diagnostic: it changes
+roundings).
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ import torch
 
 from ..common import codec, gpu, pdl, sizes
 from ..common.launch import CompiledLaunch, PreparedLaunches, register_cap
-from .replay_kernels import _replay_flush_kernel, _replay_step_grouped_kernel, _replay_step_kernel
+from .replay_kernels import (_replay_flush_kernel, _replay_step_fused_kernel, _replay_step_grouped_kernel,
+                             _replay_step_kernel)
 
 
 # Tuning constants below: the fastest in H200 sweeps (figures in kernels/mamba2/README.md).
@@ -60,12 +74,18 @@ FLUSH_MAXNREG = {False: 168, True: 128}
 # Software-pipeline stages of the flush kernel's loop over items, by whether it writes a read copy
 # (None: the compiler's default).
 FLUSH_STAGES = {False: 3, True: None}
+# The single-launch step kernel by default below this many rows (0: never; timed on the H200
+# first, bench/cases_replay.py "fused"); its warps, by whether it writes a read copy (its
+# flushing programs carry the flush kernel's tile).
+FUSED_BELOW_BATCH = 0
+FUSED_WARPS = {False: 2, True: 4}
 
 
 # Eager GPU launches through the compiled kernels (common/launch.py).
 _launch_step = CompiledLaunch(_replay_step_kernel)
 _launch_step_grouped = CompiledLaunch(_replay_step_grouped_kernel)
 _launch_flush = CompiledLaunch(_replay_flush_kernel)
+_launch_fused = CompiledLaunch(_replay_step_fused_kernel)
 
 
 def default_heads_per_program(batch: int) -> int:
@@ -87,6 +107,7 @@ class _Plan:
     """What a replay step's two launches take besides the tensors and the input strides."""
 
     grouped: bool
+    fused: bool
     step_grid: tuple
     step_constexprs: dict
     flush_grid: tuple
@@ -96,7 +117,7 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, checkpoint_format, read_format,
           has_d, has_z, has_bias, has_slots, dt_softplus, step_block_p, step_warps, heads_per_program,
-          step_stages) -> _Plan:
+          step_stages, fused, agree, fp_fusion) -> _Plan:
     """Kernels, tiles, grids and constexprs of a replay step: a function of the call's metadata,
     so an eager caller computes it once per signature."""
     hw = codec.hardware_casts(device)
@@ -106,10 +127,37 @@ def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, check
     block_l = max(2, sizes.next_power_of_2(L))
     whole_p = sizes.next_power_of_2(headdim)  # a tile over the whole head
     use_pdl = pdl.enabled(device)
-    common = dict(HAS_D=has_d, HAS_Z=has_z, HAS_SLOTS=has_slots, HW=hw, PDL=use_pdl, **pdl.launch_options(use_pdl))
+    common = dict(HAS_D=has_d, HAS_Z=has_z, HAS_SLOTS=has_slots, HW=hw, PDL=use_pdl, AGREE=bool(agree),
+                  **pdl.launch_options(use_pdl), **_fp_fusion_option(fp_fusion, device))
     step = dict(L=L, DTYPE=codec.dtype_code(state_fmt), GRAN=codec.granularity_code(state_fmt),
                 HAS_BIAS=has_bias, SOFTPLUS=dt_softplus, BLOCK_L=block_l, **common)
     heads_per_group = nheads // ngroups
+    # A per-head scale needs the whole head in one flush tile.
+    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
+    flush_tile_rows, flush_warps = FLUSH_TILE[has_read]
+    flush_block_p = whole_p if whole_head else min(flush_tile_rows, whole_p)
+    flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
+    formats = dict(
+        CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
+        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
+        CK_EMAX=codec.emax(checkpoint_format), HAS_READ=has_read,
+        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
+        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
+        RD_SR=read_format.stochastic if has_read else False,
+        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
+        RD_EMAX=codec.emax(read_format) if has_read else 0,
+    )
+    if fused is None:
+        fused = batch < FUSED_BELOW_BATCH
+    if fused:
+        # The flush kernel's tile, so that a flushing program folds exactly as the flush kernel does.
+        block_p = step_block_p or flush_block_p
+        num_p_tiles = sizes.cdiv(headdim, block_p)
+        step.update(NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state_bytes] or batch < STATE_FIRST_BELOW_BATCH,
+                    BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or (8 if whole_head else FUSED_WARPS[has_read]),
+                    **formats)
+        step["BLOCK_J"] = max(16, block_l)  # the flush kernel's, for the fold's sums
+        return _Plan(False, True, (nheads * num_p_tiles, batch), step, (), {})
     if heads_per_program is None:
         heads_per_program = default_heads_per_program(batch)
     if heads_per_program:
@@ -131,29 +179,21 @@ def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, check
         step_grid = (nheads * num_p_tiles, batch)
         step.update(NUM_P_TILES=num_p_tiles, STATE_FIRST=STATE_FIRST[state_bytes] or batch < STATE_FIRST_BELOW_BATCH,
                     BLOCK_P=block_p, BLOCK_N=block_n, num_warps=step_warps or tile_warps)
-    # A per-head scale needs the whole head in one flush tile.
-    whole_head = "head" in (checkpoint_format.granularity, read_format.granularity if has_read else None)
-    flush_tile_rows, flush_warps = FLUSH_TILE[has_read]
-    flush_block_p = whole_p if whole_head else min(flush_tile_rows, whole_p)
-    flush_p_tiles = sizes.cdiv(headdim, flush_block_p)
     per_sm = WHOLE_HEAD_FLUSH_PROGRAMS_PER_SM if whole_head else FLUSH_PROGRAMS_PER_SM[has_read]
     programs = max(1, min(batch * nheads * flush_p_tiles, per_sm * gpu.sm_count(device)))
     flush = dict(
-        NHEADS=nheads, HEADS_PER_GROUP=heads_per_group, L=L,
-        CK_DTYPE=codec.dtype_code(checkpoint_format), CK_GRAN=codec.granularity_code(checkpoint_format),
-        CK_SR=checkpoint_format.stochastic, CK_QMAX=codec.qmax(checkpoint_format),
-        CK_EMAX=codec.emax(checkpoint_format), HAS_READ=has_read,
-        RD_DTYPE=codec.dtype_code(read_format) if has_read else 0,
-        RD_GRAN=codec.granularity_code(read_format) if has_read else 0,
-        RD_SR=read_format.stochastic if has_read else False,
-        RD_QMAX=codec.qmax(read_format) if has_read else 1.0,
-        RD_EMAX=codec.emax(read_format) if has_read else 0,
+        NHEADS=nheads, HEADS_PER_GROUP=heads_per_group, L=L, **formats,
         NUM_P_TILES=flush_p_tiles, LOOP_STAGES=FLUSH_STAGES[has_read], BLOCK_L=max(16, block_l),
         BLOCK_P=flush_block_p, BLOCK_N=block_n, BLOCK_R=max(16, sizes.next_power_of_2(sizes.cdiv(batch, programs))),
         num_warps=8 if whole_head else flush_warps,
         **register_cap(None if whole_head else FLUSH_MAXNREG[has_read], device), **common,
     )
-    return _Plan(bool(heads_per_program), step_grid, step, (programs,), flush)
+    return _Plan(bool(heads_per_program), False, step_grid, step, (programs,), flush)
+
+
+def _fp_fusion_option(fp_fusion: Optional[bool], device) -> dict:
+    """Launch option compiling without FMA contraction (``fp_fusion=False``, on a GPU only)."""
+    return {"enable_fp_fusion": False} if fp_fusion is False and device.type == "cuda" else {}
 
 
 def launch_replay_decode(
@@ -162,6 +202,7 @@ def launch_replay_decode(
     flush_rows, flush_counters, slot_flags, *, checkpoint_format, read_format, seed: int,
     step_block_p: Optional[int] = None, step_warps: Optional[int] = None,
     heads_per_program: Optional[int] = None, step_stages: Optional[int] = None,
+    fused: Optional[bool] = None, agree: bool = False, fp_fusion: Optional[bool] = None,
 ):
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
@@ -169,13 +210,17 @@ def launch_replay_decode(
     ``heads_per_program`` picks the step kernel (None: :func:`default_heads_per_program`; 0: one
     head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
-    kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning)."""
+    kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning). ``fused``: the
+    single-launch step kernel (None: below ``FUSED_BELOW_BATCH`` rows; it ignores
+    ``heads_per_program``). ``agree`` / ``fp_fusion``: the module docstring's candidates against
+    racecheck's reports."""
     on_gpu = x.is_cuda
     for launch, grid, args, constexprs in _decode_launches(
             x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read,
             read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags,
             checkpoint_format=checkpoint_format, read_format=read_format, seed=seed, step_block_p=step_block_p,
-            step_warps=step_warps, heads_per_program=heads_per_program, step_stages=step_stages):
+            step_warps=step_warps, heads_per_program=heads_per_program, step_stages=step_stages, fused=fused,
+            agree=agree, fp_fusion=fp_fusion):
         launch(grid, args, constexprs, on_gpu)
 
 
@@ -187,12 +232,13 @@ def prepare_decode(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
     ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags)``, each the
     tensor given to the launcher or one it is a view of at the same address."""
     on_gpu = args[0].is_cuda
+    planned = _decode_launches(*args, **kwargs)
+    split = _decode_leading_fused if len(planned) == 1 else _decode_leading
     launches = [launch.prepare(grid, launch_args, constexprs, leading, on_gpu)
-                for (launch, grid, launch_args, constexprs), leading in zip(_decode_launches(*args, **kwargs),
-                                                                            _decode_leading(*tensors))]
+                for (launch, grid, launch_args, constexprs), leading in zip(planned, split(*tensors))]
     if any(launch is None for launch in launches):
         return None
-    return PreparedLaunches(launches, _decode_leading, tensors)
+    return PreparedLaunches(launches, split, tensors)
 
 
 def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,
@@ -213,24 +259,37 @@ def _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint
     return step, flush
 
 
+def _decode_leading_fused(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,
+                          read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
+                          slot_flags):
+    """:func:`_decode_leading` for the single-launch step kernel: one launch's leading tensors."""
+    step, _ = _decode_leading(x, dt, A, B, C, D, z, dt_bias, slot_indices, out, checkpoint, checkpoint_scale, read,
+                              read_scale, ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters,
+                              slot_flags)
+    extra = (checkpoint, checkpoint_scale if checkpoint_scale is not None else x, read if read is not None else x,
+             read_scale if read_scale is not None else x)
+    return ((*step[:12], *extra, *step[12:]),)
+
+
 def _decode_launches(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read, read_scale,
     ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags, *, checkpoint_format,
-    read_format, seed, step_block_p=None, step_warps=None, heads_per_program=None, step_stages=None,
+    read_format, seed, step_block_p=None, step_warps=None, heads_per_program=None, step_stages=None, fused=None,
+    agree=False, fp_fusion=None,
 ):
     """``(CompiledLaunch, grid, args, constexprs)`` of :func:`launch_replay_decode`'s step and
-    flush kernels, in launch order."""
+    flush kernels in launch order, or of the single-launch step kernel alone."""
     batch, nheads, headdim = x.shape
     has_read = read is not None
     state = read if has_read else checkpoint
     plan = _plan(batch, nheads, headdim, B.shape[2], B.shape[1], ring_x.shape[2], x.device, state.element_size(),
                  checkpoint_format, read_format if has_read else None, D is not None, z is not None,
                  dt_bias is not None, slot_indices is not None, bool(dt_softplus), step_block_p, step_warps,
-                 heads_per_program, step_stages)
-    step_leading, flush_leading = _decode_leading(
-        x, dt, A, B, C, D, z, dt_bias, slot_indices, out, codec.storage_view(checkpoint, checkpoint_format),
-        checkpoint_scale, codec.storage_view(read, read_format) if has_read else None, read_scale, ring_x, ring_dt,
-        ring_B, cursor, generation, flush_rows, flush_counters, slot_flags)
+                 heads_per_program, step_stages, fused, agree, fp_fusion)
+    views = (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, codec.storage_view(checkpoint, checkpoint_format),
+             checkpoint_scale, codec.storage_view(read, read_format) if has_read else None, read_scale, ring_x, ring_dt,
+             ring_B, cursor, generation, flush_rows, flush_counters, slot_flags)
+    step_leading, flush_leading = _decode_leading(*views)
     z_arg = z if z is not None else x
     x_strides, C_strides, z_strides, out_strides = x.stride(), C.stride(), z_arg.stride(), out.stride()
     B_strides = B.stride()
@@ -240,11 +299,15 @@ def _decode_launches(
         x_strides[0], x_strides[1], dt.stride(0), B_strides[0], B_strides[1], C_strides[0], C_strides[1],
         z_strides[0], z_strides[1], out_strides[0], out_strides[1],
     )
+    per_head_sizes = (num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1])
+    if plan.fused:
+        (fused_leading,) = _decode_leading_fused(*views)
+        return [(_launch_fused, plan.step_grid, (*fused_leading, seed, *step_args[len(step_leading):], *per_head_sizes),
+                 plan.step_constexprs)]
     if plan.grouped:
         step = (_launch_step_grouped, plan.step_grid, (*step_args, num_slots, nheads), plan.step_constexprs)
     else:
-        step = (_launch_step, plan.step_grid,
-                (*step_args, num_slots, nheads, headdim, B.shape[2], nheads // B.shape[1]), plan.step_constexprs)
+        step = (_launch_step, plan.step_grid, (*step_args, *per_head_sizes), plan.step_constexprs)
     flush = (_launch_flush, plan.flush_grid, (
         *flush_leading, seed,
         x_strides[0], x_strides[1], C_strides[0], C_strides[1], z_strides[0], z_strides[1],

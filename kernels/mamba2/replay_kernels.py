@@ -1,6 +1,7 @@
 """Replay decode kernels: the step kernel (one head per program), the grouped step kernel
-(several heads of one group per program) and the flush kernel. Launched by :mod:`.replay`, whose
-docstring says what each does."""
+(several heads of one group per program), the flush kernel, and the single-launch step kernel
+(the step kernel folding its flushing rows itself). Launched by :mod:`.replay`, whose docstring
+says what each does."""
 
 import triton
 import triton.language as tl
@@ -8,7 +9,8 @@ import triton.language as tl
 from ..common import pdl
 from ..common.gate import gate
 from ..common.softplus import softplus
-from .ring import fold_ring, head_tile, load_scaled_codes, load_state, process_dt, slot_of, store_state
+from .ring import (agree_cols, agree_rows, agree_scalar, fold_ring, head_tile, load_scaled_codes, load_state,
+                   process_dt, slot_of, store_state)
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 
 
@@ -36,8 +38,70 @@ def _replay_step_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, STATE_FIRST: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    AGREE: tl.constexpr = False,
 ):
     pdl.grid_dependency(PDL)
+    _step_program(
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+        state_ptr, state_scale_ptr, state_ptr, state_scale_ptr, state_ptr, state_scale_ptr, 0,
+        ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr,
+        slot_flags_ptr, stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+        stride_z_b, stride_z_h, stride_y_b, stride_y_h, num_slots, nheads, headdim, dstate, heads_per_group,
+        L, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_SLOTS, NUM_P_TILES, STATE_FIRST,
+        BLOCK_L, BLOCK_L, BLOCK_P, BLOCK_N, AGREE, False, 0, 0, False, 1.0, 0, False, 0, 0, False, 1.0, 0)
+
+
+@triton.jit
+def _replay_step_fused_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, state_scale_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, ring_x_ptr, ring_dt_ptr, ring_B_ptr,
+    cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr, slot_flags_ptr, seed,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_y_b, stride_y_h,
+    num_slots, nheads, headdim, dstate, heads_per_group,
+    L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, STATE_FIRST: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
+    CK_EMAX: tl.constexpr,
+    HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
+    RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, BLOCK_J: tl.constexpr, AGREE: tl.constexpr = False,
+):
+    """The per-head step kernel that also flushes: a flushing row's programs fold their tiles
+    (the flush kernel's arithmetic, the current token from registers) and write its output,
+    checkpoint and read copy; the last program of each row to finish (a ticket per slot in
+    ``flush_rows``, zeroed again by that program) moves the row's cursor and generation. One
+    launch a step, no flush list (kernels/mamba2/README.md, "single launch")."""
+    pdl.grid_dependency(PDL)
+    _step_program(
+        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+        state_ptr, state_scale_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, seed,
+        ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr,
+        slot_flags_ptr, stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+        stride_z_b, stride_z_h, stride_y_b, stride_y_h, num_slots, nheads, headdim, dstate, heads_per_group,
+        L, DTYPE, GRAN, HW, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_SLOTS, NUM_P_TILES, STATE_FIRST,
+        BLOCK_L, BLOCK_J, BLOCK_P, BLOCK_N, AGREE, True, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX,
+        HAS_READ, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX)
+
+
+@triton.jit
+def _step_program(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, state_scale_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr, seed,
+    ring_x_ptr, ring_dt_ptr, ring_B_ptr, cursor_ptr, generation_ptr, flush_rows_ptr, flush_counters_ptr,
+    slot_flags_ptr, stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_y_b, stride_y_h, num_slots, nheads, headdim, dstate, heads_per_group,
+    L: tl.constexpr, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, STATE_FIRST: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    AGREE: tl.constexpr, FUSED: tl.constexpr, CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr,
+    CK_QMAX: tl.constexpr, CK_EMAX: tl.constexpr,
+    HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_SR: tl.constexpr,
+    RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
+):
+    """One (head, P-tile, row) program of the per-head step kernel; ``FUSED``: of the single-launch one."""
     h, p_tile, g, rows, cols, mask_p, mask_n = head_tile(tl.program_id(0), heads_per_group, headdim, dstate,
                                                          NUM_P_TILES, BLOCK_P, BLOCK_N)
     b = tl.program_id(1)
@@ -69,7 +133,7 @@ def _replay_step_kernel(
             tl.store(y_ptrs, tl.full([BLOCK_P], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty), mask=mask_p)
         else:
             if STATE_FIRST:
-                state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
+                state_C = agree_rows(tl.sum(state * C_t[None, :], axis=1), BLOCK_N, AGREE) * row_scale  # [BLOCK_P]
             full = n == L - 1
             ring_head = slot.to(tl.int64) * nheads + h
             ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
@@ -78,35 +142,104 @@ def _replay_step_kernel(
                 tl.store(ring_dt_ptr + ring_head * L + n, dt)
                 if h % heads_per_group == 0:
                     tl.store(ring_B_ptr + (ring_group * L + n) * dstate + cols, B_t, mask=mask_n)
-                if (h == 0) & full:
-                    position = tl.atomic_add(flush_counters_ptr, 1)
-                    tl.store(flush_rows_ptr + position, b)
-                    tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
+                if not FUSED:
+                    if (h == 0) & full:
+                        position = tl.atomic_add(flush_counters_ptr, 1)
+                        tl.store(flush_rows_ptr + position, b)
+                        tl.store(generation_ptr + slot, tl.load(generation_ptr + slot) + 1)
             if n != L - 1:
                 if not STATE_FIRST:
                     state, row_scale = load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, mask, nheads,
                                                          headdim, dstate, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
-                    state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]
+                    state_C = agree_rows(tl.sum(state * C_t[None, :], axis=1), BLOCK_N, AGREE) * row_scale
                 A = tl.load(A_ptr + h).to(tl.float32)
                 js = tl.arange(0, BLOCK_L)
                 older = js < n
                 current = js == n
                 dts = tl.load(ring_dt_ptr + ring_head * L + js, mask=older, other=0.0)
                 dts = tl.where(current, dt, dts)  # [BLOCK_L]; zero after the current token
-                total = tl.sum(dts, axis=0)
+                total = agree_scalar(tl.sum(dts, axis=0), BLOCK_L, AGREE)
                 since = total - tl.cumsum(dts, axis=0)  # Λ_t − Λ_j
                 weights = tl.exp(A * since) * dts
                 B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * dstate + cols[None, :],
                                  mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
                 B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
-                BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+                BC = agree_rows(tl.sum(B_ring * C_t[None, :], axis=1), BLOCK_N, AGREE)  # [BLOCK_L]
                 x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * headdim + rows[None, :],
                                  mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
                 x_ring = tl.where(current[:, None], x_t.to(tl.float32)[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
-                y_ring = tl.sum((weights * BC)[:, None] * x_ring, axis=0)  # [BLOCK_P]
+                y_ring = agree_cols(tl.sum((weights * BC)[:, None] * x_ring, axis=0), BLOCK_L, AGREE)  # [BLOCK_P]
                 y = tl.exp(A * total) * state_C + y_ring
                 _gate_and_store(y, x_t.to(tl.float32), y_ptrs, z_ptr + b * stride_z_b + h * stride_z_h + rows,
                                 mask_p, D_ptr, h, slot_flags_ptr, slot, HAS_D, HAS_Z, HW)
+                if FUSED:
+                    _row_done(flush_rows_ptr, cursor_ptr, generation_ptr, slot, n + 1, 0, False)
+            else:
+                if FUSED:
+                    # The flush kernel's item for this tile, the token just appended from registers.
+                    generation = tl.load(generation_ptr + slot) + 1
+                    A = tl.load(A_ptr + h).to(tl.float32)
+                    ring, total = fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L, A, rows,
+                                            cols, mask_p, mask_n, headdim, dstate, L, BLOCK_J, BLOCK_P, BLOCK_N, AGREE,
+                                            True, x_t.to(tl.float32), dt, B_t.to(tl.float32))
+                    _flush_tile(ring, total, A, x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr,
+                                read_scale_ptr, slot_flags_ptr, seed, generation, b, slot, h, g, rows, cols, mask_p,
+                                mask_n, mask, stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h,
+                                stride_y_b, stride_y_h, nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX,
+                                CK_EMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, HAS_D, HAS_Z,
+                                BLOCK_P, BLOCK_N, AGREE)
+                    _row_done(flush_rows_ptr, cursor_ptr, generation_ptr, slot, 0, generation, True)
+
+
+@triton.jit
+def _row_done(tickets_ptr, cursor_ptr, generation_ptr, slot, next_cursor, generation, FLUSHED: tl.constexpr):
+    """A single-launch program's share of its row's bookkeeping, after its last read of the
+    cursor: a ticket; the row's last program moves the cursor (and a flushed row's generation)
+    and zeroes the ticket, so the next call, or graph replay, starts from zero."""
+    if tl.atomic_add(tickets_ptr + slot, 1) == tl.num_programs(0) - 1:
+        tl.store(cursor_ptr + slot, next_cursor)
+        if FLUSHED:
+            tl.store(generation_ptr + slot, generation)
+        tl.store(tickets_ptr + slot, 0)
+
+
+@triton.jit
+def _flush_tile(ring, total, A, x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr,
+                slot_flags_ptr, seed, generation, b, slot, h, g, rows, cols, mask_p, mask_n, mask,
+                stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b, stride_y_h,
+                nheads, headdim, dstate,
+                CK_DTYPE: tl.constexpr, CK_GRAN: tl.constexpr, CK_SR: tl.constexpr, CK_QMAX: tl.constexpr,
+                CK_EMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
+                RD_SR: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
+                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                AGREE: tl.constexpr):
+    """A flushing tile after its fold (``ring``, ``total``): the new state from the stored
+    checkpoint, the row's output from it, the checkpoint and read copy stored. ``generation``:
+    the slot's flush count after this flush (its noise stream)."""
+    # The state loads after the fold: loaded first, the state tiles held their registers
+    # through the product (flush step 1221 µs against 928 on the H200).
+    checkpoint = load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
+                            CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
+    # The new state, unrounded: the row's output reads it (not the old read copy, which a
+    # flush never loads), and the checkpoint and read copy store it.
+    # Written twice on purpose: one tensor feeding both the output's sum and the stores took
+    # the fp8 read-copy kernel past its 128-register cap (spills: 2760 against 1856
+    # instructions per thread, bench.sass_count); both compile to the same FMA.
+    decay = tl.exp(A * total)
+    C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
+    y = agree_rows(tl.sum((ring + decay * checkpoint) * C_t[None, :], axis=1), BLOCK_N, AGREE)
+    new_state = decay * checkpoint + ring  # [BLOCK_P, BLOCK_N]
+    x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
+    _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
+                    z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, slot_flags_ptr, slot,
+                    HAS_D, HAS_Z, HW)
+    # Stochastic rounding: one Philox stream per (slot, flush), the element's row and octet as counter.
+    stream = seed + (slot.to(tl.int64) << 32) + generation.to(tl.int64) * 2
+    stored = store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
+                         nheads, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
+    if HAS_READ:
+        store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
+                    nheads, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
 
 
 @triton.jit
@@ -123,7 +256,7 @@ def _replay_step_grouped_kernel(
     HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, AGREE: tl.constexpr = False,
 ):
     """The step kernel's work for ``HEADS_PER_PROG`` heads of one group per program, grid
     ``(nheads / HEADS_PER_PROG × P-tiles, batch)``: slot, cursor, the ring's dts and B, and
@@ -186,13 +319,13 @@ def _replay_step_grouped_kernel(
                 dts = tl.load(ring_dt_ptr + ring_heads[:, None] * L + js[None, :],
                               mask=mask_h[:, None] & older[None, :], other=0.0)
                 dts = tl.where(current[None, :], dt[:, None], dts)  # [BLOCK_H, BLOCK_L]; zero after the current token
-                total = tl.sum(dts, axis=1)  # [BLOCK_H]
+                total = agree_rows(tl.sum(dts, axis=1), BLOCK_L, AGREE)  # [BLOCK_H]
                 weights = tl.exp(A[:, None] * (total[:, None] - tl.cumsum(dts, axis=1))) * dts  # [BLOCK_H, BLOCK_L]
                 decay = tl.exp(A * total)  # [BLOCK_H]
                 B_ring = tl.load(ring_B_ptr + (ring_group * L + js[:, None]) * DSTATE + cols[None, :],
                                  mask=older[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
                 B_ring = tl.where(current[:, None], B_t.to(tl.float32)[None, :], B_ring)  # [BLOCK_L, BLOCK_N]
-                BC = tl.sum(B_ring * C_t[None, :], axis=1)  # [BLOCK_L]
+                BC = agree_rows(tl.sum(B_ring * C_t[None, :], axis=1), BLOCK_N, AGREE)  # [BLOCK_L]
                 ring_coef = weights * BC[None, :]  # [BLOCK_H, BLOCK_L]
                 if HAS_D:
                     D = tl.load(D_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
@@ -204,14 +337,15 @@ def _replay_step_grouped_kernel(
                     state, row_scale = load_scaled_codes(state_ptr, state_scale_ptr, slot, h, rows, cols, tile_mask,
                                                          nheads, HEADDIM, DSTATE, DTYPE, GRAN, HW, BLOCK_P, BLOCK_N)
                     x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0)
-                    state_C = tl.sum(state * C_t[None, :], axis=1) * row_scale  # [BLOCK_P]; frees the tile's registers
+                    # [BLOCK_P]; frees the tile's registers
+                    state_C = agree_rows(tl.sum(state * C_t[None, :], axis=1), BLOCK_N, AGREE) * row_scale
                     tl.store(ring_x_ptr + (ring_head * L + n) * HEADDIM + rows, x_t, mask=mask_p)
                     x_ring = tl.load(ring_x_ptr + (ring_head * L + js[:, None]) * HEADDIM + rows[None, :],
                                      mask=older[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
                     x_t = x_t.to(tl.float32)
                     x_ring = tl.where(current[:, None], x_t[None, :], x_ring)  # [BLOCK_L, BLOCK_P]
                     coef = tl.sum(tl.where(pick[:, None], ring_coef, 0.0), axis=0)  # [BLOCK_L]: this head's row
-                    y_ring = tl.sum(coef[:, None] * x_ring, axis=0)  # [BLOCK_P]
+                    y_ring = agree_cols(tl.sum(coef[:, None] * x_ring, axis=0), BLOCK_L, AGREE)  # [BLOCK_P]
                     y = tl.sum(tl.where(pick, decay, 0.0), axis=0) * state_C + y_ring
                     if HAS_D:
                         y += tl.sum(tl.where(pick, D, 0.0), axis=0) * x_t
@@ -246,7 +380,7 @@ def _replay_flush_kernel(
     RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SLOTS: tl.constexpr, NUM_P_TILES: tl.constexpr,
     LOOP_STAGES: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr, AGREE: tl.constexpr = False,
 ):
     pdl.grid_dependency(PDL)
     pid = tl.program_id(0)
@@ -265,32 +399,13 @@ def _replay_flush_kernel(
         slot = slot_of(slot_ptr, b, HAS_SLOTS)
         ring_head = slot.to(tl.int64) * NHEADS + h
         ring_group = slot.to(tl.int64) * (NHEADS // HEADS_PER_GROUP) + g
-        # The fold before the state loads: loaded first, the state tiles held their registers
-        # through the product (flush step 1221 µs against 928 on the H200).
         ring, total = fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L, A, rows, cols, mask_p,
-                                mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N)
-        checkpoint = load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, NHEADS, headdim, dstate,
-                                CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
-        # The new state, unrounded: the row's output reads it (not the old read copy, which a
-        # flush never loads), and the checkpoint and read copy store it.
-        # Written twice on purpose: one tensor feeding both the output's sum and the stores took
-        # the fp8 read-copy kernel past its 128-register cap (spills: 2760 against 1856
-        # instructions per thread, bench.sass_count); both compile to the same FMA.
-        decay = tl.exp(A * total)
-        C_t = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + cols, mask=mask_n, other=0.0).to(tl.float32)
-        y = tl.sum((ring + decay * checkpoint) * C_t[None, :], axis=1)
-        new_state = decay * checkpoint + ring  # [BLOCK_P, BLOCK_N]
-        x_t = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + rows, mask=mask_p, other=0.0).to(tl.float32)
-        _gate_and_store(y, x_t, y_ptr + b * stride_y_b + h * stride_y_h + rows,
-                        z_ptr + b * stride_z_b + h * stride_z_h + rows, mask_p, D_ptr, h, slot_flags_ptr, slot,
-                        HAS_D, HAS_Z, HW)
-        # Stochastic rounding: one Philox stream per (slot, flush), the element's row and octet as counter.
-        stream = seed + (slot.to(tl.int64) << 32) + tl.load(generation_ptr + slot).to(tl.int64) * 2
-        stored = store_state(new_state, mask, ck_ptr, ck_scale_ptr, stream, slot, h, rows, cols,
-                             NHEADS, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HW, BLOCK_P, BLOCK_N)
-        if HAS_READ:
-            store_state(stored, mask, read_ptr, read_scale_ptr, stream + 1, slot, h, rows, cols,
-                        NHEADS, headdim, dstate, RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, BLOCK_P, BLOCK_N)
+                                mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N, AGREE)
+        _flush_tile(ring, total, A, x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr,
+                    slot_flags_ptr, seed, tl.load(generation_ptr + slot), b, slot, h, g, rows, cols, mask_p, mask_n,
+                    mask, stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b,
+                    stride_y_h, NHEADS, headdim, dstate, CK_DTYPE, CK_GRAN, CK_SR, CK_QMAX, CK_EMAX, HAS_READ,
+                    RD_DTYPE, RD_GRAN, RD_SR, RD_QMAX, RD_EMAX, HW, HAS_D, HAS_Z, BLOCK_P, BLOCK_N, AGREE)
     # Every row's cursor inside its ring moves on by one token (to 0 after a flush; one outside
     # stays, its slot flagged by the step kernel); the step kernel of this call has finished,
     # so no program reads a cursor while it changes.
@@ -311,3 +426,7 @@ def _replay_flush_kernel(
         if finished == programs - 1:
             tl.store(flush_counters_ptr, 0)
             tl.store(flush_counters_ptr + 1, 0)
+            # And zeroes the list's entries: the single-launch step counts tickets in them.
+            for first in range(0, count, BLOCK_R):
+                tl.store(flush_rows_ptr + first + tl.arange(0, BLOCK_R), tl.zeros([BLOCK_R], tl.int32),
+                         mask=first + tl.arange(0, BLOCK_R) < count)

@@ -12,6 +12,35 @@ from ..common.softplus import softplus
 
 
 @triton.jit
+def agree_rows(sums, BLOCK_K: tl.constexpr, AGREE: tl.constexpr):
+    """``sums`` ([R], a reduction over axis 1 of an [R, BLOCK_K] tile) as it is, or, with ``AGREE``,
+    bit-identical in every lane that holds a row: the exact max over the row's replicas, in the
+    reduction's own layout, before any layout conversion writes them to shared memory. A
+    shuffle reduction may leave replicas rounded differently (triton-lang/triton#7264), which a
+    conversion then writes to one shared address (a racecheck WAW). The max is one of the
+    replicas' values: one summation order, as valid as any; under the interpreter a no-op."""
+    if AGREE:
+        sums = tl.max(tl.broadcast_to(sums[:, None], [sums.shape[0], BLOCK_K]), axis=1)
+    return sums
+
+
+@triton.jit
+def agree_cols(sums, BLOCK_K: tl.constexpr, AGREE: tl.constexpr):
+    """:func:`agree_rows` for ``sums`` [C] reduced over axis 0 of a [BLOCK_K, C] tile."""
+    if AGREE:
+        sums = tl.max(tl.broadcast_to(sums[None, :], [BLOCK_K, sums.shape[0]]), axis=0)
+    return sums
+
+
+@triton.jit
+def agree_scalar(total, BLOCK_K: tl.constexpr, AGREE: tl.constexpr):
+    """:func:`agree_rows` for a scalar reduced from a [BLOCK_K] tensor."""
+    if AGREE:
+        total = tl.max(tl.broadcast_to(total, [BLOCK_K]), axis=0)
+    return total
+
+
+@triton.jit
 def head_tile(program, heads_per_group, headdim, dstate, NUM_P_TILES: tl.constexpr, BLOCK_P: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """Head, P-tile, group, rows, columns and their masks of a program numbered over
@@ -161,9 +190,13 @@ def store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, n
 @triton.jit
 def fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count, A, rows, cols, mask_p, mask_n,
               headdim, dstate, CAP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, AGREE: tl.constexpr = False, CURRENT: tl.constexpr = False,
+              x_cur=0.0, dt_cur=0.0, B_cur=0.0):
     """The ring's first ``count`` tokens folded over a zero state, ``Σ_j exp(A·(Λ − Λ_j))·dt_j ·
-    x_j ⊗ B_j`` ([BLOCK_P, BLOCK_N] fp32), and ``Λ = Σ_j dt_j``.
+    x_j ⊗ B_j`` ([BLOCK_P, BLOCK_N] fp32), and ``Λ = Σ_j dt_j``. With ``CURRENT`` the last one,
+    at ``count − 1``, is taken from registers (``x_cur`` [BLOCK_P], ``dt_cur``, ``B_cur``
+    [BLOCK_N], fp32 of the values the ring holds) and not read: other programs of the same
+    launch may be appending it. Same values, same order: the same bits as reading it.
 
     One ``[BLOCK_P, 16] × [16, BLOCK_N]`` product per 16 tokens ("ieee": fp32 products): a
     single product over a 32-token ring took every register and spilled, and one rank-1 update
@@ -171,19 +204,28 @@ def fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count,
     the chunks that hold tokens are multiplied (the products are FMAs, most of the kernel's
     instructions): a verify flush folds 13–20 tokens of a 32-token tile."""
     CHUNK: tl.constexpr = 16
+    stored = count - 1 if CURRENT else count  # tokens read from the ring
     js = tl.arange(0, BLOCK_J)
-    total = tl.sum(tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < count, other=0.0), axis=0)
+    dts = tl.load(ring_dt_ptr + ring_head * CAP + js, mask=js < stored, other=0.0)
+    if CURRENT:
+        dts = tl.where(js == stored, dt_cur, dts)
+    total = agree_scalar(tl.sum(dts, axis=0), BLOCK_J, AGREE)
     ring = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     before = total * 0.0  # Σ dt of the earlier chunks (an fp32 tensor, as the loop carries it)
     for c in range(0, tl.cdiv(count, CHUNK)):
         jc = c * CHUNK + tl.arange(0, CHUNK)
-        live = jc < count
+        live = jc < stored
         dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=live, other=0.0)  # [CHUNK]
+        if CURRENT:
+            dts = tl.where(jc == stored, dt_cur, dts)
         weights = tl.exp(A * (total - (before + tl.cumsum(dts, axis=0)))) * dts
-        before += tl.sum(dts, axis=0)
+        before += agree_scalar(tl.sum(dts, axis=0), CHUNK, AGREE)
         x_ring = tl.load(ring_x_ptr + (ring_head * CAP + jc[:, None]) * headdim + rows[None, :],
                          mask=live[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_P]
         B_ring = tl.load(ring_B_ptr + (ring_group * CAP + jc[:, None]) * dstate + cols[None, :],
                          mask=live[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_N]
+        if CURRENT:
+            x_ring = tl.where((jc == stored)[:, None], x_cur[None, :], x_ring)
+            B_ring = tl.where((jc == stored)[:, None], B_cur[None, :], B_ring)
         ring += tl.dot(tl.trans(weights[:, None] * x_ring), B_ring, input_precision="ieee")
     return ring, total
