@@ -2,9 +2,13 @@
 check of every step kernel against the fp64 reference, then timing in the same run as the
 conventional kernel, with the ratio to its fp32 case at the same batch (``annotate``).
 
-Cases (Nemotron-H-8B layer, bf16 inputs), for the per-head and the grouped step kernel (name
-suffix ``/per-head`` or ``/grouped-h8``), and a few for the launcher's own choice (``/default``,
-what ``replay_decode`` runs):
+Headline (issue 39): staggered cursors, then aligned, at batches 1, 16, 64 and 256, fp32
+checkpoint with and without the fp8 read copy, for what ``replay_decode`` runs (``/default``)
+and the single-launch step kernel (``/fused``), with the conventional fp32 kernel timed in the
+same group as the yardstick (``replay/b{batch}/conventional-fp32``); ``annotate`` reports each
+case's ratio to it and checks ``TARGETS``. Further cases (Nemotron-H-8B layer, bf16 inputs)
+for the per-head and the grouped step kernel (name suffix ``/per-head`` or ``/grouped-h8``) and
+the ``/agree`` variant:
 
 * ``replay/b{batch}/{checkpoint}+{read}/L{L}/...``: one timed call runs a whole flush cycle
   (``L`` steps, so exactly one flush per slot); µs and bytes are per step, bytes from
@@ -14,7 +18,7 @@ what ``replay_decode`` runs):
   row flushing (cursor L − 1); the call includes the 1 KB cursor fill that sets this up (~2 µs).
 
 ``sweep_cases`` (``--sweep replay``): the grouped kernel's normal step at batch 256 over heads
-per program, warps and head-loop pipeline stages.
+per program, warps and head-loop pipeline stages, and the small-batch tiles.
 """
 
 from __future__ import annotations
@@ -220,7 +224,7 @@ def check_graph(device, batch=64, steps=40, layer=LAYER):
     staggered cursors so that every step flushes some rows. Returns failures."""
     failures = []
     for read in (None, "fp8_e4m3:row"):
-        for kernel_name in ("default", "per-head"):
+        for kernel_name in ("default", "per-head", "fused"):
             def make():
                 cache, inp, _ = _buffers(batch, "fp32", read, 16, layer, device, "staggered")
                 outs = torch.full((steps, batch, layer["nheads"], layer["headdim"]), float("nan"), device=device,
@@ -315,15 +319,53 @@ def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, devi
         set_bytes=int(probe.nbytes * batch))
 
 
+# Issue 39's targets (vLLM's ReplaySSM kernel measured on the H200 beside the project's kernels):
+# (read copy, batch, pattern) → the most µs a step may take and / or the least speed-up over the
+# conventional fp32 kernel timed in the same run (the peer's over its own conventional kernel).
+TARGETS = {
+    (None, 1, "staggered"): dict(us=6.67, x=0.67), (None, 16, "staggered"): dict(us=27.8, x=1.39),
+    (None, 64, "staggered"): dict(us=88.2, x=1.62), (None, 256, "staggered"): dict(us=332.9, x=1.70),
+    (None, 1, "aligned"): dict(us=6.67), (None, 16, "aligned"): dict(us=26.0, x=1.49),
+    (None, 64, "aligned"): dict(x=1.73), (None, 256, "aligned"): dict(us=290 * 1.02, x=1.82),
+    ("fp8_e4m3:row", 1, "staggered"): dict(us=5.5), ("fp8_e4m3:row", 16, "staggered"): dict(us=13.0),
+    ("fp8_e4m3:row", 64, "staggered"): dict(us=38.0), ("fp8_e4m3:row", 256, "staggered"): dict(us=130.0),
+    ("fp8_e4m3:row", 256, "aligned"): dict(us=132 * 1.02),  # no regression: within 2 % of 132 µs
+}
+HEADLINE_BATCHES = (1, 16, 64, 256)
+# The single-launch step kernel (launch_replay_decode(fused=True)) and the agree variant.
+STEP_KERNELS.update({"fused": dict(fused=True), "agree": dict(agree=True), "fused-agree": dict(fused=True, agree=True)})
+
+
+def conventional_case(batch, device, layer=LAYER):
+    """The yardstick: the conventional fp32 kernel (public op) at ``batch``, in this group so that
+    ``--only replay/`` times it in the same run as the replay cases."""
+    from . import cases_conventional
+    state_bytes = layer["nheads"] * layer["headdim"] * layer["dstate"] * 4
+    moved = int(2 * batch * state_bytes + io_bytes(batch, **layer))
+    return harness.Case(
+        "replay", f"replay/b{batch}/conventional-fp32",
+        dict(model=MODEL, batch=batch, format="conventional fp32", inputs="bf16", kernel="conventional",
+             phase="yardstick"),
+        moved, lambda: cases_conventional.make_inputs(MODEL, batch, "fp32", device),
+        lambda b: cases_conventional.run_public(b, "fp32"), set_bytes=moved // 2)
+
+
 @harness.register("replay")
 def timing_cases(device, layer=LAYER):
-    out = []
+    out = [conventional_case(batch, device, layer) for batch in HEADLINE_BATCHES]
+    # Headline: staggered cursors (a serving engine's admissions: every step flushes 1/16 of the
+    # rows), then aligned, for what replay_decode runs and the single-launch candidate.
+    for batch in HEADLINE_BATCHES:
+        for read in (None, "fp8_e4m3:row"):
+            for phase in ("staggered", "aligned"):
+                for name in ("default", "fused"):
+                    out.append(cycle_case(batch, "fp32", read, 16, name, device, phase=phase, layer=layer))
+    # Each step kernel alone, and the other formats and ring lengths, at batch 256.
     for name in ("per-head", "grouped-h8"):
-        for batch in (256, 64, 16, 1):
-            out += [cycle_case(batch, "fp32", None, 16, name, device, layer=layer),
-                    cycle_case(batch, "fp32", "fp8_e4m3:row", 16, name, device, layer=layer)]
-        out += [cycle_case(256, "fp32", "fp8_e4m3:row", 16, name, device, phase="staggered", layer=layer),
-                cycle_case(256, "bf16", "fp8_e4m3:row", 16, name, device, layer=layer),
+        for batch in (64, 16):
+            out += [cycle_case(batch, "fp32", read, 16, name, device, phase="staggered", layer=layer)
+                    for read in (None, "fp8_e4m3:row")]
+        out += [cycle_case(256, "bf16", "fp8_e4m3:row", 16, name, device, layer=layer),
                 cycle_case(256, "bf16+sr", "fp8_e4m3:row", 16, name, device, layer=layer),
                 cycle_case(256, "fp32", "int8:row", 16, name, device, layer=layer),
                 cycle_case(256, "fp32", "fp8_e4m3:row", 8, name, device, layer=layer),
@@ -331,13 +373,10 @@ def timing_cases(device, layer=LAYER):
         for read in (None, "fp8_e4m3:row"):
             for which in ("normal", "flush"):
                 out.append(single_step_case(256, "fp32", read, 16, name, which, device, layer=layer))
-    # The launcher's own choice of step kernel (what replay_decode runs).
-    for batch in (256, 1):
-        out += [cycle_case(batch, "fp32", read, 16, "default", device, layer=layer) for read in (None, "fp8_e4m3:row")]
     out += [single_step_case(256, "fp32", read, 16, "default", which, device, layer=layer)
             for read in (None, "fp8_e4m3:row") for which in ("normal", "flush")]
-    # Staggered cursors, as a serving engine's admissions leave them: every step flushes 1/16 of the rows.
-    out += [cycle_case(256, "fp32", read, 16, "default", device, phase="staggered", layer=layer)
+    # What agreeing lanes (racecheck's candidate) costs where the kernels are busiest.
+    out += [cycle_case(256, "fp32", read, 16, "agree", device, phase="staggered", layer=layer)
             for read in (None, "fp8_e4m3:row")]
     return out
 
@@ -346,13 +385,29 @@ def timing_cases(device, layer=LAYER):
 _SWEEP_TILES = [(h, w, 2) for h in (4, 8, 16) for w in (4, 8)] + [(8, 4, 1), (8, 4, 3)]
 
 
+# Small-batch step tiles (rows of headdim, warps) for the per-head and single-launch kernels.
+_SMALL_BATCH_TILES = [(16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (32, 4)]
+
+
 def sweep_cases(device, layer=LAYER):
-    """Normal step of the grouped kernel at batch 256, fp32 checkpoint with and without the fp8
-    read copy, over ``_SWEEP_TILES`` (``python3 -m bench.run_gpu --sweep replay``)."""
-    return [single_step_case(256, "fp32", read, 16, None, "normal", device, layer=layer, group="replay-sweep",
-                             kernel=dict(heads_per_program=h, step_warps=w, step_stages=s),
-                             label=f"grouped-h{h}-w{w}-s{s}")
-            for read in ("fp8_e4m3:row", None) for h, w, s in _SWEEP_TILES]
+    """``python3 -m bench.run_gpu --sweep replay``: the grouped kernel's normal step at batch 256
+    over ``_SWEEP_TILES``, and whole staggered flush cycles at batches 1, 16 and 64 over
+    ``_SMALL_BATCH_TILES`` for the per-head and the single-launch step kernels (tiles per batch)."""
+    out = [single_step_case(256, "fp32", read, 16, None, "normal", device, layer=layer, group="replay-sweep",
+                            kernel=dict(heads_per_program=h, step_warps=w, step_stages=s),
+                            label=f"grouped-h{h}-w{w}-s{s}")
+           for read in ("fp8_e4m3:row", None) for h, w, s in _SWEEP_TILES]
+    for batch in (1, 16, 64):
+        for read in ("fp8_e4m3:row", None):
+            for kernel, fused in (("per-head", False), ("fused", True)):
+                for rows, warps in _SMALL_BATCH_TILES:
+                    case = cycle_case(batch, "fp32", read, 16, kernel, device, phase="staggered", layer=layer,
+                                      kernel=dict(heads_per_program=0, fused=fused, step_block_p=rows,
+                                                  step_warps=warps))
+                    case.group = "replay-sweep"
+                    case.name += f"/p{rows}-w{warps}"
+                    out.append(case)
+    return out
 
 
 def eager_overhead(device, layer=LAYER):
@@ -366,14 +421,28 @@ def eager_overhead(device, layer=LAYER):
 
 
 def annotate(by_group):
-    """Ratio of each replay case to the conventional fp32 kernel at its batch, timed in the same
-    run (``x_conventional_fp32`` > 1: replay is faster)."""
+    """Each replay case's speed-up over the conventional fp32 kernel at its batch
+    (``x_conventional_fp32`` > 1: replay is faster), timed in the same run (this group's
+    yardstick, else the conventional group's), and whether it meets ``TARGETS``
+    (``target`` and ``target_met`` in its row; a miss is printed)."""
     conventional = {r["params"]["batch"]: r["us"] for r in by_group.get("conventional", [])
                     if r["params"].get("model") == MODEL and r["params"].get("format") == "fp32"}
+    conventional.update({r["params"]["batch"]: r["us"] for r in by_group.get("replay", [])
+                         if r["params"].get("kernel") == "conventional"})
     for group in ("replay", "replay-sweep"):
         for r in by_group.get(group, []):
-            base = conventional.get(r["params"]["batch"])
+            p = r["params"]
+            if p.get("kernel") == "conventional":
+                continue
+            base = conventional.get(p["batch"])
             if base is not None:
                 r["x_conventional_fp32"] = base / r["us"]
-                print(f"{r['name']:60s} {r['us']:8.1f} us  {r['x_conventional_fp32']:5.2f}x conventional fp32",
-                      flush=True)
+            target = TARGETS.get((p.get("read"), p["batch"], p.get("phase"))) if p.get("checkpoint") == "fp32" and \
+                p.get("ring_len") == 16 else None
+            if target is not None:
+                met = r["us"] <= target.get("us", float("inf")) and (
+                    "x" not in target or r.get("x_conventional_fp32", 0.0) >= target["x"])
+                r["target"], r["target_met"] = target, met
+            ratio = f"{r['x_conventional_fp32']:5.2f}x conventional fp32" if base is not None else ""
+            verdict = "" if target is None else ("  target met" if r["target_met"] else f"  MISSED target {target}")
+            print(f"{r['name']:60s} {r['us']:8.1f} us  {ratio}{verdict}", flush=True)

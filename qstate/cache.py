@@ -26,8 +26,9 @@ block) so that a kernel program reads its head's ring in one sweep; ``B`` is sto
 group, as the inputs give it. ``generation`` numbers the flushes of a slot; stochastic
 rounding draws its noise from it, so replaying a CUDA graph draws fresh noise.
 ``flush_rows`` and ``flush_counters`` are the work list of one step (rows whose ring became
-full): ``flush_counters`` is zero between calls, and ``flush_rows`` keeps the last list, which
-nothing reads past the count.
+full), zero between ``replay_decode`` calls (the flush kernel empties the list; the single-launch
+step counts per-slot tickets in ``flush_rows`` and zeroes them); a verify's list in
+``flush_rows`` stays, and nothing reads it past the count.
 
 Speculative decoding (:func:`qstate.replay_verify`, :func:`qstate.replay_commit`, docs/design.md#speculative)
 needs room for the drafts beyond the committed tokens: ``allocate(..., max_draft=T_max)``
