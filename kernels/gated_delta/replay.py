@@ -7,9 +7,10 @@ the last ``ring_len`` tokens' inputs (raw ``k`` per key head, ``v``, ``g`` and `
 head: never the corrected value) and a cursor (tokens in the ring).
 
 Step kernel, grid ``(cdiv(V, BLOCK_V), HV, batch)``; each program owns ``BLOCK_V`` rows of V of
-one head of one row, K whole. It reads the slot's cursor ``n`` (clamped into ``[0, L)``, so no
-cursor value addresses outside the slot's ring), appends the token at ``n`` (v by every V-tile;
-g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
+one head of one row, K whole. It reads the slot's cursor ``n``: one outside ``[0, L)`` (memory a
+caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's flags, the row outputs NaN and nothing of
+the slot is written (``kernels/README.md#cursor-safety``). Else it appends the token at ``n`` (v
+by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
 * ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
@@ -22,7 +23,8 @@ g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
 step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
-the step kernel, each live row's cursor moves to ``n + 1``, or 0 after a flush. A row whose slot
+the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
+A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags. A row whose slot
 is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
 for CPU tensors) outputs NaN and touches nothing. The keys are stored raw and normalized where
 they are read, so the ring keeps exactly what the caller gave (in the cache's input dtype).
@@ -100,7 +102,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
     read = codec.storage_view(cache.read, rd_fmt) if has_read else checkpoint
     read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
     args = (q, k, v, g, beta, slot_indices, out.view(torch.int16) if out_bf16 else out, checkpoint, read, read_scale,
-            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, float(qk_scale), cache.num_slots,
+            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, float(qk_scale), cache.num_slots,
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, cache.device.type == "cuda")

@@ -4,6 +4,7 @@ flushes) and the cursor kernel. Launched by :mod:`.replay`, whose docstring says
 import triton
 import triton.language as tl
 
+from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 
 
@@ -31,7 +32,7 @@ def _apply(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
 @triton.jit
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
-    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr,
+    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
     qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
@@ -51,16 +52,20 @@ def _replay_step_kernel(
         slot = tl.load(slot_ptr + b).to(tl.int64)
     else:
         slot = b.to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
-        # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync)
-        # outputs NaN. Neither touches any slot.
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+    bad_cursor = in_cache & cursor_outside(n, L)
+    if bad_cursor:
+        # A cursor outside the ring (memory a caller wrote): flagged, and nothing of the slot written.
+        flag_slot(flags_ptr, slot, SLOT_BAD_CURSOR)
+    if (~in_cache) | bad_cursor:
+        # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync) and
+        # a bad cursor output NaN. None touches any slot.
         bad = tl.where(slot < 0, 0.0, float("nan"))
         for chunk in range(V_LOOP):
             rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
             tile.store_output(out_row, tl.zeros([BLOCK_V], tl.float32) + bad, rows, rows < V, OUT_BF16, HW)
     else:
-        # Whatever the cursor holds, the ring is addressed inside [0, L).
-        n = tl.minimum(tl.maximum(tl.load(cursor_ptr + slot), 0), L - 1)
         hk = h // heads_per_group
         k_raw = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=cols < K, other=0.0)
         k = tile.l2_normalized(k_raw.to(tl.float32), L2NORM)
@@ -104,7 +109,10 @@ def _replay_step_kernel(
                     vj = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
                     S = _apply(S, kj, vj, aj, bj, CHANNEL)
                 S = _apply(S, k, v_raw.to(tl.float32), alpha, beta, CHANNEL)
-                tile.store_output(out_row, tl.sum(S * q[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+                o = tl.sum(S * q[None, :], axis=1)
+                # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
+                flag_nonfinite(flags_ptr, slot, o, row_mask)
+                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
                 stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
                                          0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
                 if HAS_READ:
@@ -157,14 +165,16 @@ def _replay_step_kernel(
                 ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
                                   mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
                 o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
-                tile.store_output(out_row, o + tl.sum(base * T[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+                o = o + tl.sum(base * T[None, :], axis=1)
+                flag_nonfinite(flags_ptr, slot, o, row_mask)
+                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
 
 
 @triton.jit
 def _advance_cursors_kernel(cursor_ptr, slot_ptr, batch, num_slots, L: tl.constexpr, HAS_SLOTS: tl.constexpr,
                             BLOCK_R: tl.constexpr):
-    """Every live row's cursor moves on by one token (to 0 after a flush), after the step kernel
-    has read them all."""
+    """Every live row's cursor inside its ring moves on by one token (to 0 after a flush; one
+    outside stays, its slot flagged by the step kernel), after the step kernel has read them all."""
     batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = batch_rows < batch
     if HAS_SLOTS:
@@ -172,5 +182,5 @@ def _advance_cursors_kernel(cursor_ptr, slot_ptr, batch, num_slots, L: tl.conste
     else:
         slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
     live = (slots >= 0) & (slots < num_slots)
-    n = tl.minimum(tl.maximum(tl.load(cursor_ptr + slots, mask=live, other=0), 0), L - 1)
-    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
+    n = tl.load(cursor_ptr + slots, mask=live, other=0)
+    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live & ~cursor_outside(n, L))

@@ -144,18 +144,6 @@ def test_staggered_cursors_slot_indices_padding_and_reset():
     assert cache.cursor.tolist() == [2, 0, 1, 0, 0]
 
 
-def test_a_cursor_outside_the_ring_is_clamped_into_it():
-    """Whatever the cursor holds, the kernel addresses the slot's own ring only."""
-    cache = allocate(3, channel=False, ring_len=4, read=None)
-    cache.cursor.copy_(torch.tensor([1000, 0, -7], dtype=torch.int32))
-    before = {name: t.clone() for name, t in cache.tensors().items() if t is not None}
-    out = qstate.gated_delta_replay(cache, **token(2, 1, 2, 32, 16), slot_indices=torch.tensor([0, 2]))
-    assert not out.isnan().any()
-    assert cache.cursor.tolist() == [0, 0, 1]
-    for name in ("checkpoint", "ring_k", "ring_v", "ring_g", "ring_beta"):
-        assert torch.equal(getattr(cache, name)[1], before[name][1]), name
-
-
 def test_sizes_and_from_tensors():
     cache = allocate(2, channel=True, ring_len=4, read="int8:row")
     assert cache.gate == "channel" and cache.ring_len == 4 and cache.input_dtype == torch.float32
