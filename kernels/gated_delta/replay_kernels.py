@@ -1,5 +1,7 @@
 """Replay decode kernels of the gated delta rule: the step kernel (outputs, ring appends and
-flushes) and the cursor kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
+flushes; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the
+stream kernel of the split variant (normal rows' outputs from that scratch) and the cursor
+kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
@@ -30,17 +32,39 @@ def _apply(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
 
 
 @triton.jit
+def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
+    """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
+    the ring's ``n`` tokens, newest first (unrolled and masked past the cursor, so every ring load
+    issues up front). Returns ``T [BLOCK_K]``, the current token's ``c`` and the ring's
+    ``[RING_PAD]`` (newest first)."""
+    T = q
+    c_now = beta * tl.sum(k * T, axis=0)
+    T = alpha * (T - c_now * k)
+    ring_slots = tl.arange(0, RING_PAD)
+    c_ring = tl.zeros([RING_PAD], tl.float32)
+    for i in tl.static_range(L - 1):
+        j = tl.maximum(n - 1 - i, 0)
+        kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+        c = bj * tl.sum(kj * T, axis=0)
+        live = (tl.zeros_like(cols) + i) < n
+        T = tl.where(live, aj * (T - c * kj), T)
+        c_ring = tl.where((ring_slots == i) & (ring_slots < n), c, c_ring)
+    return T, c_now, c_ring
+
+
+@triton.jit
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    scratch_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
+    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -118,6 +142,17 @@ def _replay_step_kernel(
                 if HAS_READ:
                     tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
                                     1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+        elif SPLIT:
+            # The split variant: T and each token's c go to the scratch (c by ring position, the
+            # current token's at n) for the stream kernel, which also appends v.
+            if v_part == 0:
+                T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
+                                          CHANNEL, RING_PAD)
+                scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
+                ring_slots = tl.arange(0, RING_PAD)
+                tl.store(scratch + cols, T)
+                tl.store(scratch + BLOCK_K + n - 1 - ring_slots, c_ring, mask=ring_slots < n)
+                tl.store(scratch + BLOCK_K + n, c_now)
         else:
             # The adjoint sweep, once per program: the query is carried back through the ring,
             # newest first (unrolled and masked past the cursor, so every ring load issues up
@@ -136,18 +171,9 @@ def _replay_step_kernel(
             rows = v_part * V_LOOP * BLOCK_V + lanes
             codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                          base_scale_ptr, BASE_GRAN, BLOCK_K)
-            T = q
-            c_now = beta * tl.sum(k * T, axis=0)
-            T = alpha * (T - c_now * k)
+            T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                                      RING_PAD)
             ring_slots = tl.arange(0, RING_PAD)
-            c_ring = tl.zeros([RING_PAD], tl.float32)
-            for i in tl.static_range(L - 1):
-                j = tl.maximum(n - 1 - i, 0)
-                kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-                c = bj * tl.sum(kj * T, axis=0)
-                live = (tl.zeros([BLOCK_K], tl.int32) + i) < n
-                T = tl.where(live, aj * (T - c * kj), T)
-                c_ring = tl.where((ring_slots == i) & (ring_slots < n), c, c_ring)
             newest_first = n - 1 - ring_slots
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
@@ -168,6 +194,50 @@ def _replay_step_kernel(
                 o = o + tl.sum(base * T[None, :], axis=1)
                 flag_nonfinite(flags_ptr, slot, o, row_mask)
                 tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
+
+
+@triton.jit
+def _replay_stream_kernel(
+    v_ptr, slot_ptr, out_ptr, base_ptr, base_scale_ptr, ring_v_ptr, cursor_ptr, flags_ptr, scratch_ptr,
+    num_slots, num_v_heads, K, V, s_v_batch, s_v_head, s_out_batch, s_out_head,
+    L: tl.constexpr, RING_PAD: tl.constexpr, BASE_DTYPE: tl.constexpr, BASE_GRAN: tl.constexpr,
+    HW: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The split variant's outputs of normal rows: ``o = Σ_j c_j v_j + R T`` over ``BLOCK_V`` rows
+    of the read copy (or checkpoint: ``base``), T and c from the step kernel's scratch; appends v
+    at the cursor. Padding, a bad cursor and a flushing row are the step kernel's."""
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=L - 1)
+    if in_cache & (n >= 0) & (n < L - 1):
+        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols = tl.arange(0, BLOCK_K)
+        row_mask = rows < V
+        ring_head = slot * num_v_heads + h
+        codes, scale = tile.load_raw(base_ptr + ring_head * V * K, base_scale_ptr + ring_head * V, rows, cols,
+                                     row_mask, K, K, 1, BASE_GRAN, BLOCK_K)
+        scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
+        T = tl.load(scratch + cols)
+        positions = tl.arange(0, RING_PAD)
+        c = tl.load(scratch + BLOCK_K + positions, mask=positions < n, other=0.0)
+        c_now = tl.load(scratch + BLOCK_K + n)
+        ring_v = ring_v_ptr + ring_head * L * V
+        ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],
+                          mask=(positions < n)[:, None] & row_mask[None, :], other=0.0)
+        v_raw = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
+        tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+        base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+        o = c_now * v_raw.to(tl.float32) + tl.sum(c[:, None] * ring_vs.to(tl.float32), axis=0)
+        o = o + tl.sum(base * T[None, :], axis=1)
+        flag_nonfinite(flags_ptr, slot, o, row_mask)
+        tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
 
 
 @triton.jit
