@@ -12,7 +12,7 @@ from ..kernels.common import codec
 from ..kernels.gated_delta import conventional as _kernel
 from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks, _signature
-from ._register import eager, mutating_op
+from ._register import mutating_op
 
 _OP_NAME = "qstate::gated_delta_update"
 
