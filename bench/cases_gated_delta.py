@@ -19,6 +19,8 @@ Cases (bf16 inputs, group ``gated_delta``), per layer of :data:`LAYERS`:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import qstate
@@ -214,26 +216,39 @@ def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
     f2, r2 = check_replay(device)
-    f3, r3 = check_replay_chunked(device)
-    return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
+    f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0)
+    f4, r4 = check_replay_variant(device, "split", SPLIT=True)
+    f5, r5 = check_replay_variant(device, "split chunked", SPLIT=True, MIN_PROGRAMS=0)
+    graph = check_graph(device)
+    with _replay_constants(SPLIT=True):
+        graph += [f"{f} [split]" for f in check_graph(device)]
+    return f1 + f2 + f3 + f4 + f5 + graph, r1 + r2 + r3 + r4 + r5
 
 
-def check_replay_chunked(device):
-    """:func:`check_replay` with the replay launcher's large-batch program shape (``V_LOOP``
-    chunks per program, the sweep's result reused across them), which its small grids would
-    otherwise never reach on the GPU."""
+@contextlib.contextmanager
+def _replay_constants(**constants):
     from qstate.kernels import clear_launch_plans
     from qstate.kernels.gated_delta import replay
 
-    saved = replay.MIN_PROGRAMS
-    replay.MIN_PROGRAMS = 0
+    saved = {name: getattr(replay, name) for name in constants}
+    for name, value in constants.items():
+        setattr(replay, name, value)
     clear_launch_plans()
     try:
-        failures, report = check_replay(device)
+        yield
     finally:
-        replay.MIN_PROGRAMS = saved
+        for name, value in saved.items():
+            setattr(replay, name, value)
         clear_launch_plans()
-    return [f"{f} [chunked]" for f in failures], [dict(r, check=f"{r['check']} [chunked]") for r in report]
+
+
+def check_replay_variant(device, tag, **constants):
+    """:func:`check_replay` with the replay launcher's constants set: ``MIN_PROGRAMS=0`` gives the
+    large-batch program shape (``V_LOOP`` chunks per program, the sweep's result reused across
+    them), which its small grids would otherwise never reach; ``SPLIT=True`` the split variant."""
+    with _replay_constants(**constants):
+        failures, report = check_replay(device)
+    return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
 
 
 # ---------------------------------------------------------------------------- timing
@@ -349,19 +364,25 @@ CONVENTIONAL_SWEEP = {
     "fp32": {"default": {}, "16x4w": {_ROWS: {codec.FP32: (16, 4)}}, "8x1w": {_ROWS: {codec.FP32: (8, 1)}},
              "32x2w": {_ROWS: {codec.FP32: (32, 2)}}},
     "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}},
-    "int8:row": {"default": {}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}}, "16x1w": {_ROWS: {codec.INT8: (16, 1)}},
+    "int8:row": {"default": {}, "32x2w": {_ROWS: {codec.INT8: (32, 2)}}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}},
                  "32x1w": {_ROWS: {codec.INT8: (32, 1)}}},
-    "fp8_e4m3:row": {"default": {}, "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}},
-                     "16x1w": {_ROWS: {codec.FP8_E4M3: (16, 1)}}},
+    "fp8_e4m3:row": {"default": {}, "32x2w": {_ROWS: {codec.FP8_E4M3: (32, 2)}},
+                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}},
 }
 REPLAY_SWEEP = {
     "default": {},
     "loop1": {"V_LOOP": 1},
     "loop2": {"V_LOOP": 2},
-    "no-prefetch": {"PREFETCH": False},
+    "prefetch": {"PREFETCH": True},
     "loop8-2w": {"WARPS": 2},
     "loop1-4w": {"V_LOOP": 1, "WARPS": 4},
     "rows32-loop4": {"TILE_ROWS": 32, "V_LOOP": 4},
+    # the split variant: sweep kernel as the default step's, then the stream kernel's tiles
+    "split": {"SPLIT": True},
+    "split-s16x2w": {"SPLIT": True, "STREAM_ROWS": 16, "STREAM_WARPS": 2},
+    "split-s64x4w": {"SPLIT": True, "STREAM_ROWS": 64, "STREAM_WARPS": 4},
+    "split-s32x8w": {"SPLIT": True, "STREAM_WARPS": 8},
+    "split-loop2": {"SPLIT": True, "V_LOOP": 2},
 }
 
 
@@ -399,7 +420,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 33 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 44 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():
@@ -409,7 +430,7 @@ def sweep_cases(device):
     for ck, rd in REPLAY_FORMATS:
         for tag, constants in REPLAY_SWEEP.items():
             out.append(_retagged(replay_case(256, MAIN, ck, rd, device, staggered=True), tag, _REPLAY, constants))
-    for tag in ("default", "loop1", "loop1-4w"):
+    for tag in ("default", "loop1", "loop1-4w", "split"):
         out.append(_retagged(replay_case(16, MAIN, "fp32", "fp8_e4m3:row", device), tag, _REPLAY, REPLAY_SWEEP[tag]))
     return out
 

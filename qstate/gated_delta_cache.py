@@ -14,12 +14,19 @@ tensor              shape                                              dtype
 ``ring_g``          ``(slots, HV, ring_len)`` or ``(…, ring_len, K)``  fp32: log-space gates
 ``ring_beta``       ``(slots, HV, ring_len)``                          fp32
 ``cursor``          ``(slots,)``                                       int32: tokens in the ring
+``slot_flags``      ``(slots,)``                                       int32: flag bits
 ==================  =================================================  ==========================
 
 The ring holds the layer's own inputs, never the corrected value (``docs/design.md#gdn-ring-designs``):
 keys per key head as the caller gave them (normalized where read), values, gates and β per value
 head; each head's ring is one contiguous block, read by a program in one sweep. ``ring_g`` has
 one gate per head (``gate="scalar"``, GDN) or one per key channel (``gate="channel"``, KDA).
+
+``slot_flags[s]`` holds the bits the kernels OR in on the device, as ``qstate.ReplayCache``'s
+(``qstate/cache.py`` has the table): ``SLOT_BAD_CURSOR`` when the slot's cursor lies outside
+``[0, ring_len)`` (the row outputs NaN and nothing of the slot is written, its cursor included),
+``SLOT_NONFINITE`` when a NaN or ±inf reaches one of the slot's outputs. They are sticky until
+the caller clears them (:meth:`GatedDeltaReplayCache.reset` clears the reset slots').
 
 A serving engine that owns its memory builds a cache over its own tensors with
 :meth:`GatedDeltaReplayCache.from_tensors`, then admits each sequence with :meth:`reset`.
@@ -79,6 +86,11 @@ class GatedDeltaReplayCache:
     ring_g: torch.Tensor
     ring_beta: torch.Tensor
     cursor: torch.Tensor
+    slot_flags: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.slot_flags is None:
+            self.slot_flags = torch.zeros(self.cursor.shape, dtype=torch.int32, device=self.cursor.device)
 
     @classmethod
     def allocate(
@@ -127,16 +139,17 @@ class GatedDeltaReplayCache:
         cls, *, checkpoint: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
         ring_beta: torch.Tensor, cursor: torch.Tensor, checkpoint_format: FormatLike = "fp32",
         read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
-        read_scale: Optional[torch.Tensor] = None,
+        read_scale: Optional[torch.Tensor] = None, slot_flags: Optional[torch.Tensor] = None,
     ) -> "GatedDeltaReplayCache":
         """A cache over tensors the caller owns (shapes and dtypes in the module docstring);
-        nothing is copied or cleared: :meth:`reset` every slot before the first step. The ring's
-        length is ``ring_k.shape[2]``. The cursors are read once here (one host sync) and must
-        lie in ``[0, ring_len)`` (the kernels clamp them into the ring in any case)."""
+        nothing is copied or cleared: :meth:`reset` every slot before the first step (``slot_flags``
+        is allocated, zeroed, when not given). The ring's length is ``ring_k.shape[2]``. The
+        cursors are read once here (one host sync) and must lie in ``[0, ring_len)``; one that
+        memory written later puts outside is met on the device (``SLOT_BAD_CURSOR``)."""
         ck_fmt, rd_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
         cache = cls(checkpoint_format=ck_fmt, read_format=rd_fmt, checkpoint=checkpoint, read=read,
                     read_scale=read_scale, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
-                    cursor=cursor)
+                    cursor=cursor, slot_flags=slot_flags)
         cache.validate()
         n = cursor.long().cpu()
         bad = (n < 0) | (n >= cache.ring_len)
@@ -170,6 +183,7 @@ class GatedDeltaReplayCache:
             "ring_g": (self.ring_g, gate, torch.float32),
             "ring_beta": (self.ring_beta, (slots, HV, L), torch.float32),
             "cursor": (self.cursor, (slots,), torch.int32),
+            "slot_flags": (self.slot_flags, (slots,), torch.int32),
         }
         rd = self.read_format
         for name, t, want in (("read", self.read, None if rd is None else (shape, rd.storage_dtype)),
@@ -223,7 +237,7 @@ class GatedDeltaReplayCache:
         return self.ring_k.dtype
 
     def tensors(self) -> dict:
-        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor")
+        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor", "slot_flags")
         return {n: getattr(self, n) for n in names}
 
     @property
@@ -271,7 +285,8 @@ class GatedDeltaReplayCache:
 
     def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None) -> None:
         """Admit sequences: checkpoint ← ``quantize(state)`` (or zeros), read copy ←
-        ``quantize(dequantize(checkpoint))``, ring emptied (cursor 0), as the reference does.
+        ``quantize(dequantize(checkpoint))``, ring emptied (cursor 0), as the reference does;
+        the slots' ``slot_flags`` cleared.
         ``state (len(slots), HV, V, K)``, floating point (the prefill's final state, V-first)."""
         idx = self._slots(slots)
         shape = (idx.numel(), self.num_v_heads, self.head_v_dim, self.head_k_dim)
@@ -291,6 +306,7 @@ class GatedDeltaReplayCache:
             if self.read_scale is not None:
                 self.read_scale[idx] = rd.scale
         self.cursor[idx] = 0
+        self.slot_flags[idx] = 0
 
     def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values of the stored checkpoints of ``slots``: ``(n, HV, V, K)``."""

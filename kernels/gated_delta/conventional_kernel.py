@@ -4,20 +4,21 @@ docstring says what a program does."""
 import triton
 import triton.language as tl
 
+from ..common.slot_flags import flag_nonfinite
 from . import tile
 
 
 # seed: not specialized on its value, so that a fresh seed per call reuses the compiled kernel.
 @triton.jit(do_not_specialize=["seed"])
 def _conventional_kernel(
-    state_ptr, scale_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr, seed_ptr, seed,
+    state_ptr, scale_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr, flags_ptr, seed_ptr, seed,
     qk_scale, nslots, num_v_heads, K, V, heads_per_group, pad_slot_id,
     s_state_slot, s_state_head, s_state_row, s_scale_slot, s_scale_head, s_scale_row,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
     EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr, HAS_FLAGS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     v_tile = tl.program_id(0)
@@ -51,7 +52,11 @@ def _conventional_kernel(
         S = tile.apply_decay(S, alpha, CHANNEL)
         d = beta * (v - tl.sum(S * k[None, :], axis=1))  # [BLOCK_V]
         S = S + d[:, None] * k[None, :]
-        tile.store_output(out_row, tl.sum(S * q[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+        o = tl.sum(S * q[None, :], axis=1)
+        if HAS_FLAGS:
+            # Every element of the new state reaches o (NaN·x and ±inf·0 are NaN).
+            flag_nonfinite(flags_ptr, slot, o, row_mask)
+        tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
         if STOCHASTIC and SEED_FROM_PTR:
             seed = tl.load(seed_ptr)
         noise_rows = (slot * num_v_heads + h) * V + rows

@@ -7,9 +7,10 @@ the last ``ring_len`` tokens' inputs (raw ``k`` per key head, ``v``, ``g`` and `
 head: never the corrected value) and a cursor (tokens in the ring).
 
 Step kernel, grid ``(cdiv(V, BLOCK_V), HV, batch)``; each program owns ``BLOCK_V`` rows of V of
-one head of one row, K whole. It reads the slot's cursor ``n`` (clamped into ``[0, L)``, so no
-cursor value addresses outside the slot's ring), appends the token at ``n`` (v by every V-tile;
-g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
+one head of one row, K whole. It reads the slot's cursor ``n``: one outside ``[0, L)`` (memory a
+caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's flags, the row outputs NaN and nothing of
+the slot is written (``kernels/README.md#cursor-safety``). Else it appends the token at ``n`` (v
+by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
 * ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
@@ -22,7 +23,16 @@ g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
 step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
-the step kernel, each live row's cursor moves to ``n + 1``, or 0 after a flush. A row whose slot
+the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
+A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
+
+Split variant (``split=True``): the step kernel's normal rows only sweep, and store ``T``
+(``BLOCK_K`` floats) and the coefficients ``c`` (``RING_PAD``, by ring position, the current
+token's at ``n``) per (row, value head) in a scratch buffer; padding, bad cursors and flushes
+stay its own. A stream kernel, grid ``(cdiv(V, BLOCK_V'), HV, batch)``, then computes a normal
+row's ``o = Σ_j c_j v_j + R_c T`` over ``BLOCK_V'`` rows and appends v: the state stream no
+longer waits behind the serial sweep nor shares its registers. Deterministic (each value is
+computed by one program in a fixed order); the scratch is allocated per call. A row whose slot
 is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
 for CPU tensors) outputs NaN and touches nothing. The keys are stored raw and normalized where
 they are read, so the ring keeps exactly what the caller gave (in the cache's input dtype).
@@ -36,15 +46,22 @@ import torch
 
 from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
-from .replay_kernels import _advance_cursors_kernel, _replay_step_kernel
+from .replay_kernels import _advance_cursors_kernel, _replay_step_kernel, _replay_stream_kernel
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
 # and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
 TILE_ROWS = 16
 WARPS = 1
 V_LOOP = 8
-# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
-PREFETCH = True
+# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep
+# (off: the H200 sweep timed the fp8 read copy's step faster without, fewer registers).
+PREFETCH = False
+# The split variant (launch(split=...) when None): the step kernel only sweeps (T, c → scratch) and
+# flushes; a stream kernel of STREAM_ROWS rows (at K = 128) × STREAM_WARPS warps per program then
+# reads the state rows, at the occupancy a bandwidth-bound loop wants.
+SPLIT = False
+STREAM_ROWS = 32
+STREAM_WARPS = 4
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
@@ -56,12 +73,14 @@ BLOCK_R = 256
 
 _step = CompiledLaunch(_replay_step_kernel)
 _advance = CompiledLaunch(_advance_cursors_kernel)
+_stream = CompiledLaunch(_replay_stream_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read, rd_code, rd_gran, rd_qmax, rd_emax,
-          channel, l2norm, has_slots, out_bf16):
-    """``(step grid, step constexprs, cursor grid, cursor constexprs)`` of a call's metadata."""
+          channel, l2norm, has_slots, out_bf16, split):
+    """``(step grid, step constexprs, cursor grid, cursor constexprs, stream grid, stream
+    constexprs)`` of a call's metadata (the last two None without ``split``)."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     v_loop, warps = 1, 4
@@ -76,32 +95,60 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
     step = dict(L=ring_len, RING_PAD=sizes.next_power_of_2(ring_len), CK_DTYPE=ck_code, HAS_READ=has_read, RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax,
                 RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm,
-                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, num_warps=warps)
+                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH,
+                SPLIT=split, num_warps=warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
-    return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance
+    stream_grid = stream = None
+    if split:
+        stream_v, stream_warps = whole, 4
+        if device.type == "cuda":
+            stream_v, stream_warps = min(max(1, STREAM_ROWS * 128 // block_k), whole), STREAM_WARPS
+            while stream_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, stream_v) < MIN_PROGRAMS:
+                stream_v //= 2
+        elif INTERPRETER_SPLIT is not None:
+            stream_v = INTERPRETER_SPLIT[0]
+        stream_grid = (sizes.cdiv(V, stream_v), num_v_heads, batch)
+        stream = dict(L=ring_len, RING_PAD=step["RING_PAD"], BASE_DTYPE=rd_code if has_read else ck_code,
+                      BASE_GRAN=rd_gran if has_read else 0, HW=step["HW"], HAS_SLOTS=has_slots, OUT_BF16=out_bf16,
+                      BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance,
+            stream_grid, stream)
 
 
-def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:
+def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool,
+           split=None) -> None:
     """Launch the step and cursor kernels on validated arguments: ``cache`` a
     ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
     HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
-    int or None."""
+    int or None. ``split``: the split variant (the stream kernel between the two, and an fp32
+    scratch of ``batch · HV · (BLOCK_K + RING_PAD)`` allocated per call); None: ``SPLIT``."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]
     ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
     has_read = rd_fmt is not None
     out_bf16 = out.dtype == torch.bfloat16
-    grid, step, advance_grid, advance = _plan(
+    split = SPLIT if split is None else bool(split)
+    grid, step, advance_grid, advance, stream_grid, stream = _plan(
         K, V, num_v_heads, batch, cache.device, cache.ring_len, codec.dtype_code(ck_fmt), codec.qmax(ck_fmt),
         has_read, codec.dtype_code(rd_fmt) if has_read else 0, codec.granularity_code(rd_fmt) if has_read else 0,
         codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
-        slot_indices is not None, out_bf16)
+        slot_indices is not None, out_bf16, split)
     checkpoint = codec.storage_view(cache.checkpoint, ck_fmt)
     read = codec.storage_view(cache.read, rd_fmt) if has_read else checkpoint
     read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
-    args = (q, k, v, g, beta, slot_indices, out.view(torch.int16) if out_bf16 else out, checkpoint, read, read_scale,
-            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, float(qk_scale), cache.num_slots,
+    out_view = out.view(torch.int16) if out_bf16 else out
+    on_gpu = cache.device.type == "cuda"
+    # Per call, so a CUDA graph captures its own (torch's graph pool) and calls never share one.
+    scratch = (torch.empty(batch * num_v_heads * (step["BLOCK_K"] + step["RING_PAD"]), dtype=torch.float32,
+                           device=cache.device) if split else checkpoint)
+    args = (q, k, v, g, beta, slot_indices, out_view, checkpoint, read, read_scale,
+            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, scratch,
+            float(qk_scale), cache.num_slots,
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
-    _step(grid, args, step, cache.device.type == "cuda")
-    _advance(advance_grid, (cache.cursor, slot_indices, batch, cache.num_slots), advance, cache.device.type == "cuda")
+    _step(grid, args, step, on_gpu)
+    if split:
+        _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
+                              scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),
+                stream, on_gpu)
+    _advance(advance_grid, (cache.cursor, slot_indices, batch, cache.num_slots), advance, on_gpu)

@@ -1,9 +1,12 @@
 """Replay decode kernels of the gated delta rule: the step kernel (outputs, ring appends and
-flushes) and the cursor kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
+flushes; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the
+stream kernel of the split variant (normal rows' outputs from that scratch) and the cursor
+kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
 
+from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 
 
@@ -29,17 +32,39 @@ def _apply(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
 
 
 @triton.jit
+def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
+    """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
+    the ring's ``n`` tokens, newest first (unrolled and masked past the cursor, so every ring load
+    issues up front). Returns ``T [BLOCK_K]``, the current token's ``c`` and the ring's
+    ``[RING_PAD]`` (newest first)."""
+    T = q
+    c_now = beta * tl.sum(k * T, axis=0)
+    T = alpha * (T - c_now * k)
+    ring_slots = tl.arange(0, RING_PAD)
+    c_ring = tl.zeros([RING_PAD], tl.float32)
+    for i in tl.static_range(L - 1):
+        j = tl.maximum(n - 1 - i, 0)
+        kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+        c = bj * tl.sum(kj * T, axis=0)
+        live = (tl.zeros_like(cols) + i) < n
+        T = tl.where(live, aj * (T - c * kj), T)
+        c_ring = tl.where((ring_slots == i) & (ring_slots < n), c, c_ring)
+    return T, c_now, c_ring
+
+
+@triton.jit
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
-    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr,
-    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
+    scratch_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
+    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -51,16 +76,20 @@ def _replay_step_kernel(
         slot = tl.load(slot_ptr + b).to(tl.int64)
     else:
         slot = b.to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
-        # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync)
-        # outputs NaN. Neither touches any slot.
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+    bad_cursor = in_cache & cursor_outside(n, L)
+    if bad_cursor:
+        # A cursor outside the ring (memory a caller wrote): flagged, and nothing of the slot written.
+        flag_slot(flags_ptr, slot, SLOT_BAD_CURSOR)
+    if (~in_cache) | bad_cursor:
+        # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync) and
+        # a bad cursor output NaN. None touches any slot.
         bad = tl.where(slot < 0, 0.0, float("nan"))
         for chunk in range(V_LOOP):
             rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
             tile.store_output(out_row, tl.zeros([BLOCK_V], tl.float32) + bad, rows, rows < V, OUT_BF16, HW)
     else:
-        # Whatever the cursor holds, the ring is addressed inside [0, L).
-        n = tl.minimum(tl.maximum(tl.load(cursor_ptr + slot), 0), L - 1)
         hk = h // heads_per_group
         k_raw = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=cols < K, other=0.0)
         k = tile.l2_normalized(k_raw.to(tl.float32), L2NORM)
@@ -104,12 +133,26 @@ def _replay_step_kernel(
                     vj = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
                     S = _apply(S, kj, vj, aj, bj, CHANNEL)
                 S = _apply(S, k, v_raw.to(tl.float32), alpha, beta, CHANNEL)
-                tile.store_output(out_row, tl.sum(S * q[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+                o = tl.sum(S * q[None, :], axis=1)
+                # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
+                flag_nonfinite(flags_ptr, slot, o, row_mask)
+                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
                 stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
                                          0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
                 if HAS_READ:
                     tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
                                     1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+        elif SPLIT:
+            # The split variant: T and each token's c go to the scratch (c by ring position, the
+            # current token's at n) for the stream kernel, which also appends v.
+            if v_part == 0:
+                T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
+                                          CHANNEL, RING_PAD)
+                scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
+                ring_slots = tl.arange(0, RING_PAD)
+                tl.store(scratch + cols, T)
+                tl.store(scratch + BLOCK_K + n - 1 - ring_slots, c_ring, mask=ring_slots < n)
+                tl.store(scratch + BLOCK_K + n, c_now)
         else:
             # The adjoint sweep, once per program: the query is carried back through the ring,
             # newest first (unrolled and masked past the cursor, so every ring load issues up
@@ -128,18 +171,9 @@ def _replay_step_kernel(
             rows = v_part * V_LOOP * BLOCK_V + lanes
             codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                          base_scale_ptr, BASE_GRAN, BLOCK_K)
-            T = q
-            c_now = beta * tl.sum(k * T, axis=0)
-            T = alpha * (T - c_now * k)
+            T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                                      RING_PAD)
             ring_slots = tl.arange(0, RING_PAD)
-            c_ring = tl.zeros([RING_PAD], tl.float32)
-            for i in tl.static_range(L - 1):
-                j = tl.maximum(n - 1 - i, 0)
-                kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-                c = bj * tl.sum(kj * T, axis=0)
-                live = (tl.zeros([BLOCK_K], tl.int32) + i) < n
-                T = tl.where(live, aj * (T - c * kj), T)
-                c_ring = tl.where((ring_slots == i) & (ring_slots < n), c, c_ring)
             newest_first = n - 1 - ring_slots
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
@@ -157,14 +191,60 @@ def _replay_step_kernel(
                 ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
                                   mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
                 o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
-                tile.store_output(out_row, o + tl.sum(base * T[None, :], axis=1), rows, row_mask, OUT_BF16, HW)
+                o = o + tl.sum(base * T[None, :], axis=1)
+                flag_nonfinite(flags_ptr, slot, o, row_mask)
+                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
+
+
+@triton.jit
+def _replay_stream_kernel(
+    v_ptr, slot_ptr, out_ptr, base_ptr, base_scale_ptr, ring_v_ptr, cursor_ptr, flags_ptr, scratch_ptr,
+    num_slots, num_v_heads, K, V, s_v_batch, s_v_head, s_out_batch, s_out_head,
+    L: tl.constexpr, RING_PAD: tl.constexpr, BASE_DTYPE: tl.constexpr, BASE_GRAN: tl.constexpr,
+    HW: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The split variant's outputs of normal rows: ``o = Σ_j c_j v_j + R T`` over ``BLOCK_V`` rows
+    of the read copy (or checkpoint: ``base``), T and c from the step kernel's scratch; appends v
+    at the cursor. Padding, a bad cursor and a flushing row are the step kernel's."""
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=L - 1)
+    if in_cache & (n >= 0) & (n < L - 1):
+        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols = tl.arange(0, BLOCK_K)
+        row_mask = rows < V
+        ring_head = slot * num_v_heads + h
+        codes, scale = tile.load_raw(base_ptr + ring_head * V * K, base_scale_ptr + ring_head * V, rows, cols,
+                                     row_mask, K, K, 1, BASE_GRAN, BLOCK_K)
+        scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
+        T = tl.load(scratch + cols)
+        positions = tl.arange(0, RING_PAD)
+        c = tl.load(scratch + BLOCK_K + positions, mask=positions < n, other=0.0)
+        c_now = tl.load(scratch + BLOCK_K + n)
+        ring_v = ring_v_ptr + ring_head * L * V
+        ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],
+                          mask=(positions < n)[:, None] & row_mask[None, :], other=0.0)
+        v_raw = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
+        tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+        base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+        o = c_now * v_raw.to(tl.float32) + tl.sum(c[:, None] * ring_vs.to(tl.float32), axis=0)
+        o = o + tl.sum(base * T[None, :], axis=1)
+        flag_nonfinite(flags_ptr, slot, o, row_mask)
+        tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
 
 
 @triton.jit
 def _advance_cursors_kernel(cursor_ptr, slot_ptr, batch, num_slots, L: tl.constexpr, HAS_SLOTS: tl.constexpr,
                             BLOCK_R: tl.constexpr):
-    """Every live row's cursor moves on by one token (to 0 after a flush), after the step kernel
-    has read them all."""
+    """Every live row's cursor inside its ring moves on by one token (to 0 after a flush; one
+    outside stays, its slot flagged by the step kernel), after the step kernel has read them all."""
     batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = batch_rows < batch
     if HAS_SLOTS:
@@ -172,5 +252,5 @@ def _advance_cursors_kernel(cursor_ptr, slot_ptr, batch, num_slots, L: tl.conste
     else:
         slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
     live = (slots >= 0) & (slots < num_slots)
-    n = tl.minimum(tl.maximum(tl.load(cursor_ptr + slots, mask=live, other=0), 0), L - 1)
-    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live)
+    n = tl.load(cursor_ptr + slots, mask=live, other=0)
+    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live & ~cursor_outside(n, L))

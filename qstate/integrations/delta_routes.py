@@ -12,6 +12,13 @@ in both), runs one qstate op on the state it keeps in the scheme's storage and r
 that storage holds, transposed back to ``(batch, HV, K, V)``, so that anything transformers does
 with its cache sees qstate's state.
 
+Releases before the hub-kernel wrappers (Qwen3-Next and Qwen3.5 up to about 5.19) bind the step
+to each layer at construction, ``self.recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
+or torch_recurrent_gated_delta_rule`` (fla's function when flash-linear-attention is installed),
+and call it through that attribute: :func:`step_attributes` names such attributes, which the patch
+routes like the module-level name and puts back on exit. Later releases resolve fla inside the
+module-level function, so swapping that name routes every step with or without fla.
+
 A route re-reads transformers' state (``sync``) whenever it is not bit for bit the state the
 route last returned (rounded to the cache's dtype): the first step after a prefill (whose chunked function stays as
 transformers has it), or a cache changed from outside (a reorder, a reset). The comparison and
@@ -29,6 +36,17 @@ from ..formats import QuantizedState, StateFormat, dequantize, quantize
 from .decode_routes import check_kernels_can_run
 
 _SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# fla's one-token decode functions, which a layer of a binding release holds when fla is installed.
+FLA_STEP_FUNCTIONS = ("fused_recurrent_gated_delta_rule", "fused_recurrent_kda")
+
+
+def step_attributes(layer: torch.nn.Module, step: Callable) -> list[str]:
+    """Names of ``layer``'s own attributes holding its one-token decode function: transformers'
+    module-level ``step`` (as it was before any qstate patch) or one of fla's
+    (:data:`FLA_STEP_FUNCTIONS`). The chunked (prefill) functions are not among them."""
+    original = getattr(step, "__qstate_original__", step)
+    return [name for name, value in vars(layer).items()
+            if callable(value) and (value is original or getattr(value, "__name__", None) in FLA_STEP_FUNCTIONS)]
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -44,9 +62,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 class DeltaDecodeStep:
     """One decode token in qstate's shapes: ``q, k (batch, HQK, K)`` (HQK = HK or HV),
     ``v (batch, HV, V)``, ``g (batch, HV)`` or ``(batch, HV, K)`` fp32, ``beta (batch, HV)`` fp32;
-    all contiguous. ``use_qk_l2norm`` as transformers asked."""
+    all contiguous. ``use_qk_l2norm`` as transformers asked; ``scale`` fla's keyword (None:
+    ``K**-0.5``)."""
 
-    def __init__(self, query, key, value, g, beta, use_qk_l2norm):
+    def __init__(self, query, key, value, g, beta, use_qk_l2norm, scale=None):
         for name, t in (("query", query), ("key", key), ("value", value), ("g", g), ("beta", beta)):
             if t.dim() < 3 or t.shape[1] != 1:
                 raise ValueError(f"{name}: expected a one-token decode input (batch, 1, ...), got shape "
@@ -57,6 +76,7 @@ class DeltaDecodeStep:
         self.g = g[:, 0].float().contiguous()
         self.beta = beta[:, 0].float().contiguous()
         self.use_qk_l2norm = bool(use_qk_l2norm)
+        self.scale = None if scale is None else float(scale)
 
     @property
     def gate(self) -> str:
@@ -102,7 +122,7 @@ class DeltaLayerRoute:
             raise ValueError(
                 f"cache: layer {self.name}'s recurrent state is on {initial_state.device} but its inputs are on "
                 f"{value.device}; keep the model and its cache on one device")
-        step = DeltaDecodeStep(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+        step = DeltaDecodeStep(query, key, value, g, beta, use_qk_l2norm_in_kernel, kwargs.get("scale"))
         if self._stale or self._returned is None or not _bits_equal(initial_state,
                                                                     self._returned.to(initial_state.dtype)):
             check_kernels_can_run(initial_state.device)
@@ -142,7 +162,7 @@ class DeltaConventionalRoute(DeltaLayerRoute):
 
     def decode(self, step):
         o = self._op(
-            self.codes, step.q, step.k, step.v, step.g, step.beta, use_qk_l2norm=step.use_qk_l2norm,
+            self.codes, step.q, step.k, step.v, step.g, step.beta, scale=step.scale, use_qk_l2norm=step.use_qk_l2norm,
             state_scale=self.scale, state_format=str(self.fmt),
             seed=(self.seed + self.steps) % 2**31 if self.fmt.stochastic else None,  # the ops take 31-bit seeds
         )
@@ -191,6 +211,6 @@ class DeltaReplayRoute(DeltaLayerRoute):
 
     def decode(self, step):
         v = step.v.to(self.cache.input_dtype)
-        o = self._op(self.cache, step.q, step.k, v, step.g, step.beta, use_qk_l2norm=step.use_qk_l2norm,
-                     slot_indices=self.slots)
+        o = self._op(self.cache, step.q, step.k, v, step.g, step.beta, scale=step.scale,
+                     use_qk_l2norm=step.use_qk_l2norm, slot_indices=self.slots)
         return o, self.cache.materialize(self.slots, use_qk_l2norm=step.use_qk_l2norm)

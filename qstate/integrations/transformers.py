@@ -22,12 +22,14 @@ state it stores in its cache. :func:`patch`
    prefill's final state.
 
 Gated delta rule layers are patched the same way through the one-token function their class
-calls (:data:`SUPPORTED_DELTA_LAYERS`; docs/design.md#gdn-clients): conventional schemes go to
+calls (:data:`SUPPORTED_DELTA_LAYERS`; docs/design.md#gdn-clients), and through the attributes of
+releases that bind it to each layer, fla's or transformers' (:func:`.delta_routes.step_attributes`):
+conventional schemes go to
 :func:`qstate.gated_delta_update`, replay schemes to :func:`qstate.gated_delta_replay` over a
 :class:`qstate.GatedDeltaReplayCache` (:mod:`.delta_routes`). A model with delta layers has
 only those patched.
 
-Prefill stays as transformers does it. Restoring removes both, exactly. Only the layer classes
+Prefill stays as transformers does it. Restoring puts back every name and attribute, exactly. Only the layer classes
 whose decode call was read and checked are recognised: :data:`SUPPORTED_MIXERS`,
 :data:`SUPPORTED_DELTA_LAYERS`.
 
@@ -52,7 +54,7 @@ import torch
 from .decode_routes import ConventionalRoute, LayerRoute, ReplayRoute
 from .delta_observe import SUPPORTED_LAYERS as SUPPORTED_DELTA_LAYERS
 from .delta_observe import find_delta_layers
-from .delta_routes import DeltaConventionalRoute, DeltaReplayRoute
+from .delta_routes import DeltaConventionalRoute, DeltaReplayRoute, step_attributes
 
 __all__ = ["SUPPORTED_MIXERS", "SUPPORTED_DELTA_LAYERS", "Patch", "patch", "attach_routes", "find_mixers", "find_layers",
            "decode_logits"]
@@ -155,6 +157,17 @@ def _wrap_forward(mixer: torch.nn.Module, route) -> None:
     mixer.forward = forward
 
 
+def _bind_steps(layer: torch.nn.Module, names: list) -> None:
+    """Route the decode function ``layer`` holds as attributes ``names`` (a binding release)."""
+    for name in names:
+        layer.__dict__[name] = _dispatcher(layer.__dict__[name])
+
+
+def _unbind_steps(layer: torch.nn.Module, names: list) -> None:
+    for name in names:
+        layer.__dict__[name] = layer.__dict__[name].__qstate_original__
+
+
 def _unwrap_forward(mixer: torch.nn.Module, had_own_forward: bool) -> None:
     inner = mixer.__dict__["forward"].__qstate_inner__
     if had_own_forward:
@@ -173,6 +186,9 @@ class Patch:
         self.routes = routes
         self._mixers = mixers  # [(mixer or delta layer, had its own forward attribute)]
         self._modules = sorted({(type(m).__module__, _step_function(m)) for m, _ in mixers})
+        # the attributes of each layer that hold its decode function (releases that bind it)
+        self._bound = [step_attributes(m, getattr(sys.modules[type(m).__module__], _step_function(m)))
+                       if _is_delta_layer(m) else [] for m, _ in mixers]
         self.active = False
 
     def _apply(self) -> None:
@@ -183,12 +199,14 @@ class Patch:
             for target in self._modules:
                 _install(target)
                 done_modules.append(target)
-            for (mixer, had_own), route in zip(self._mixers, self.routes.values()):
+            for (mixer, had_own), route, bound in zip(self._mixers, self.routes.values(), self._bound):
                 _wrap_forward(mixer, route)
-                done_mixers.append((mixer, had_own))
+                _bind_steps(mixer, bound)
+                done_mixers.append((mixer, had_own, bound))
             self.model._qstate_patch = self
         except BaseException:
-            for mixer, had_own in reversed(done_mixers):
+            for mixer, had_own, bound in reversed(done_mixers):
+                _unbind_steps(mixer, bound)
                 _unwrap_forward(mixer, had_own)
             for target in reversed(done_modules):
                 _uninstall(target)
@@ -199,7 +217,8 @@ class Patch:
         """Put the model back exactly as it was (idempotent)."""
         if not self.active:
             return
-        for mixer, had_own in reversed(self._mixers):
+        for (mixer, had_own), bound in zip(reversed(self._mixers), reversed(self._bound)):
+            _unbind_steps(mixer, bound)
             _unwrap_forward(mixer, had_own)
         for target in reversed(self._modules):
             _uninstall(target)
@@ -240,15 +259,6 @@ def find_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if not layers:
         return find_mixers(model)
     _check_transformers_version(type(layers[0][1]).__module__)
-    for name, layer in layers:
-        # a release that binds its step function to the layer would bypass the swapped module name
-        step = getattr(sys.modules[type(layer).__module__], SUPPORTED_DELTA_LAYERS[type(layer).__name__])
-        bound = [key for key, value in {**vars(layer), **layer._modules}.items()
-                 if value is step or (callable(value) and "delta" in getattr(value, "__name__", ""))]
-        if bound:
-            raise ValueError(f"model: layer {name} holds its decode function as attribute(s) {bound}, which "
-                             f"the qstate patch cannot route; use a transformers release that calls "
-                             f"{SUPPORTED_DELTA_LAYERS[type(layer).__name__]} by name")
     return layers
 
 

@@ -27,6 +27,27 @@ bf16, fp16        −max finite (−3.39e38, −65504)       ±max finite (satur
                   −0.875 fp8_e4m3)
 ================  ===================================  =====================================
 
+The gated delta rule ops (``qstate.gated_delta_update``, ``GatedDeltaReplayCache.slot_flags``)
+flag the same bits. There a non-finite element never stays alone: ``d = β (v − S k̂)`` sums the
+whole V-row, so a NaN or ±inf in a row's state or ``v`` makes every element of that V-row
+non-finite (a NaN in ``q``, ``k``, ``g`` or ``β`` every row of the head). What the conventional
+kernel then stores for such a row, under the interpreter (+sr as its base format):
+
+================  ===================================  =====================================
+format            NaN row                              row of ±inf
+================  ===================================  =====================================
+fp32              kept                                 kept
+bf16, fp16        −max finite                          ±max finite (saturated)
+8-bit ``:row``    −qmax at the smallest scale          the scale → its largest value, the
+                  (≈ −1.5e−36 int8, −5.3e−36 fp8)      elements ±qmax·s (≈ ±1.5e38)
+8-bit ``:head``   −qmax·s, the head's scale from its   as ``:row``, and every other row of
+                  finite rows                          the head → 0
+8-bit             −qmax at the smallest scale (≈       as ``:row``, per 32-element block
+``:block32``      −0.99 int8, −0.875 fp8_e4m3)
+================  ===================================  =====================================
+
+A replay cache's fp32 checkpoint keeps them; its read copy stores the ``:row`` column.
+
 On the host, :func:`qstate.quantize` keeps NaN and ±inf in fp32 and NaN in bf16/fp16 (±inf
 saturates), and a NaN in a ``:row`` or ``:head`` group makes its scale NaN (the whole group
 dequantizes to NaN).

@@ -80,3 +80,14 @@ def check_values(g: torch.Tensor, beta: torch.Tensor) -> None:
 
 def check_out(out: torch.Tensor, v: torch.Tensor) -> None:
     _common.check_out(out, v)
+
+
+def check_slot_flags(slot_flags, nslots: int, device: torch.device) -> None:
+    """``slot_flags``: an int32 ``(nslots,)`` contiguous tensor on ``device``."""
+    _validate.tensor("slot_flags", slot_flags, ndim=1, floating=False)
+    _validate.shape("slot_flags", slot_flags, (nslots,), "(nslots,)")
+    if slot_flags.dtype != torch.int32:
+        raise TypeError(f"slot_flags: expected dtype torch.int32, got {slot_flags.dtype}")
+    _common.same_device(device, slot_flags=slot_flags)
+    if not slot_flags.is_contiguous():
+        raise ValueError(f"slot_flags: expected a contiguous tensor, got strides {slot_flags.stride()}")

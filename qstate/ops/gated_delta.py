@@ -12,7 +12,7 @@ from ..kernels.common import codec
 from ..kernels.gated_delta import conventional as _kernel
 from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks, _signature
-from ._register import eager, mutating_op
+from ._register import mutating_op
 
 _OP_NAME = "qstate::gated_delta_update"
 
@@ -21,21 +21,21 @@ def _gated_delta_update_impl(
     state: torch.Tensor, state_scale: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, qk_scale: float, use_qk_l2norm: bool,
     state_indices: Optional[torch.Tensor], out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int,
-    seed_tensor: Optional[torch.Tensor],
+    seed_tensor: Optional[torch.Tensor], slot_flags: Optional[torch.Tensor],
 ) -> None:
     consts = _common.format_constants(state_format)
     _kernel.launch(codec.storage_view(state, consts.fmt), state_scale, q, k, v, g, beta, state_indices, out, seed,
                    seed_tensor, qk_scale=qk_scale, dtype_code=consts.dtype_code, granularity=consts.granularity,
                    stochastic=consts.stochastic, qmax=consts.qmax, emax=consts.emax, use_qk_l2norm=use_qk_l2norm,
-                   pad_slot_id=pad_slot_id)
+                   pad_slot_id=pad_slot_id, slot_flags=slot_flags)
 
 
-_gated_delta_update_op = mutating_op(_OP_NAME, _gated_delta_update_impl, ("state", "state_scale", "out"))
+_gated_delta_update_op = mutating_op(_OP_NAME, _gated_delta_update_impl, ("state", "state_scale", "out", "slot_flags"))
 _DISPATCH = Dispatch(_OP_NAME)
 
 
 def _check_args(state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, state_scale, state_format,
-                pad_slot_id, out) -> None:
+                pad_slot_id, out, slot_flags) -> None:
     """Every check of :func:`gated_delta_update` that reads only metadata (its signature)."""
     consts = _common.resolve_format(state_format, state)
     _common.check_state(state, state_scale, consts)
@@ -52,6 +52,8 @@ def _check_args(state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, st
         raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
     if out is not None:
         _gated_delta_checks.check_out(out, v)
+    if slot_flags is not None:
+        _gated_delta_checks.check_slot_flags(slot_flags, nslots, state.device)
 
 
 def _check_indices(indices, batch, device) -> None:
@@ -78,6 +80,7 @@ def gated_delta_update(
     scale: Optional[float] = None, use_qk_l2norm: bool = True, state_indices: Optional[torch.Tensor] = None,
     state_scale: Optional[torch.Tensor] = None, state_format: Optional[str] = None, pad_slot_id: int = -1,
     out: Optional[torch.Tensor] = None, seed: Union[None, int, torch.Tensor] = None,
+    slot_flags: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One gated delta rule decode token (GDN or KDA), the state stored in any format and updated
     in place (``docs/design.md#gdn-recurrence``).
@@ -111,12 +114,17 @@ def gated_delta_update(
     On CPU tensors an index ``≥ nslots``, a slot named twice (padding aside), a gate ``> 0`` or a
     ``beta`` outside ``[0, 1]`` raise; on a GPU (no sync) they are the caller's contract: a row
     ``≥ nslots`` outputs NaN and writes nothing. A NaN in a row's inputs stays in that row and its
-    slot. Returns ``out`` (allocated like ``v`` when None).
+    slot (what each format stores for it: ``qstate/ops/__init__.py``). ``slot_flags``: None, or
+    an int32 ``(nslots,)`` contiguous tensor on the state's device into which the kernel ORs
+    ``qstate.SLOT_NONFINITE`` (2) for the slot of every row whose output meets a NaN or ±inf
+    (every element of the row's new state reaches it); nothing else writes or clears it and no
+    sync reads it. Returns ``out`` (allocated like ``v`` when None).
     """
     signature = (state_format, type(scale), scale, type(use_qk_l2norm), use_qk_l2norm, type(pad_slot_id),
-                 pad_slot_id, *map(_signature.tensor_meta, (state, state_scale, q, k, v, g, beta, state_indices, out)))
+                 pad_slot_id, *map(_signature.tensor_meta, (state, state_scale, q, k, v, g, beta, state_indices, out,
+                                                    slot_flags)))
     _DISPATCH.entry(signature, _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices,
-                    state_scale, state_format, pad_slot_id, out)
+                    state_scale, state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
     if state_indices is not None:
         _check_index_values(state_indices, state.shape[0], pad_slot_id)
@@ -128,5 +136,5 @@ def gated_delta_update(
     if v.shape[0] == 0:
         return out
     _gated_delta_update_op(state, state_scale, q, k, v, g, beta, qk_scale, use_qk_l2norm, state_indices, out,
-                           str(consts.fmt), pad_slot_id, seed_value, seed_tensor)
+                           str(consts.fmt), pad_slot_id, seed_value, seed_tensor, slot_flags)
     return out

@@ -20,9 +20,11 @@ _OP_NAME = "qstate::gated_delta_replay"
 class _CacheView:
     """The cache as the launcher reads it, rebuilt inside the custom op from its tensors."""
 
-    def __init__(self, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, ck_format, rd_format):
+    def __init__(self, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags, ck_format,
+                 rd_format):
         self.checkpoint, self.read, self.read_scale = checkpoint, read, read_scale
         self.ring_k, self.ring_v, self.ring_g, self.ring_beta, self.cursor = ring_k, ring_v, ring_g, ring_beta, cursor
+        self.slot_flags = slot_flags
         self.checkpoint_format = _common.format_constants(ck_format).fmt
         self.read_format = None if rd_format == "" else _common.format_constants(rd_format).fmt
         self.ring_len = ring_k.shape[2]
@@ -34,17 +36,18 @@ def _gated_delta_replay_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor, checkpoint: torch.Tensor, read: Optional[torch.Tensor],
     read_scale: Optional[torch.Tensor], ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
-    ring_beta: torch.Tensor, cursor: torch.Tensor, checkpoint_format: str, read_format: str, qk_scale: float,
-    use_qk_l2norm: bool,
+    ring_beta: torch.Tensor, cursor: torch.Tensor, slot_flags: torch.Tensor, checkpoint_format: str,
+    read_format: str, qk_scale: float, use_qk_l2norm: bool,
 ) -> None:
-    cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, checkpoint_format,
-                       read_format)
+    cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
+                       checkpoint_format, read_format)
     _kernel.launch(cache, q, k, v, g, beta, slot_indices, out, qk_scale=qk_scale, use_qk_l2norm=use_qk_l2norm)
 
 
 _gated_delta_replay_op = mutating_op(
     _OP_NAME, _gated_delta_replay_impl,
-    ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor"))
+    ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor",
+     "slot_flags"))
 _DISPATCH = Dispatch(_OP_NAME)
 
 
@@ -127,7 +130,11 @@ def gated_delta_replay(
     keeps raw keys). The flush decision is made on the device, so a step can be captured in a
     CUDA graph. On CPU tensors an index ``≥ num_slots``, a slot named twice, a gate ``> 0`` or a
     ``beta`` outside ``[0, 1]`` raise; on a GPU they are the caller's contract (a row ``≥
-    num_slots`` outputs NaN and writes nothing). Returns ``out`` (allocated like ``v`` when None).
+    num_slots`` outputs NaN and writes nothing). A row whose slot's cursor lies outside the ring
+    (memory written behind :meth:`~qstate.GatedDeltaReplayCache.from_tensors`' check) outputs
+    NaN, writes nothing of its slot and sets ``qstate.SLOT_BAD_CURSOR`` in ``cache.slot_flags``; a
+    NaN or ±inf reaching a row's output sets ``qstate.SLOT_NONFINITE`` in its slot's flags and
+    stays in that slot. Returns ``out`` (allocated like ``v`` when None).
     """
     signature = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
                  *map(_signature.tensor_meta, (q, k, v, g, beta, slot_indices, out)),
@@ -144,6 +151,6 @@ def gated_delta_replay(
     qk_scale = cache.head_k_dim ** -0.5 if scale is None else float(scale)
     _gated_delta_replay_op(q, k, v, g, beta, slot_indices, out, cache.checkpoint, cache.read, cache.read_scale,
                            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor,
-                           str(cache.checkpoint_format), "" if cache.read_format is None else str(cache.read_format),
+                           cache.slot_flags, str(cache.checkpoint_format), "" if cache.read_format is None else str(cache.read_format),
                            qk_scale, use_qk_l2norm)
     return out

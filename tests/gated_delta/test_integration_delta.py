@@ -1,6 +1,7 @@
 """qstate.integrations.transformers on gated delta rule models: tiny random Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE and Kimi Linear decode through qstate (the models' torch fallbacks are what is
-patched when fla is absent; with fla the same module-level names are swapped).
+Qwen3.5-MoE and Kimi Linear decode through qstate: the module-level step functions are swapped
+(the installed release resolves fla inside them), and the layers of releases that bind the step
+at construction (fla's function, with fla installed) have those attributes routed too.
 
 Bounds. With an fp32 scheme the patched and unpatched decodes compute the same fp32 recurrence
 in different orders: a few fp32 roundings (2**-24) per state element and step, over sums of
@@ -224,17 +225,32 @@ def test_a_route_resyncs_after_an_outside_write_only(make_route):
     assert route.steps == 5
 
 
-def test_a_layer_holding_its_step_function_is_rejected(model):
-    """Releases that bind the step function to the layer at init would bypass the swapped name."""
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_a_layer_holding_fla_step_function_decodes_through_qstate(name):
+    """With fla installed, releases that bind the step to the layer at construction decode
+    through the layer's attribute (fla's function), not the module-level name: the patch routes
+    that attribute too (fla never runs while patched; fp32 tokens as unpatched) and puts the very
+    same function back on exit. Simulated (``hf_tiny_delta.FlaBindingRelease``): the installed
+    release does not bind, and on a CPU fla's kernels would not run; the stand-in has fla's name
+    and signature, which is all the patch looks at."""
+    model = tiny.MODELS[name]()
+    release = tiny.FlaBindingRelease(model)
     functions = _functions(model)
-    name, layer = qt.find_layers(model)[0]
-    layer.recurrent_gated_delta_rule = next(iter(functions.values()))
-    try:
-        with pytest.raises(ValueError, match=f"model: layer {name} holds its decode function"):
-            qt.patch(model, "fp32")
-    finally:
-        del layer.recurrent_gated_delta_rule
-    _assert_unpatched(model, functions)
+    ids = tiny.prompt(batch=2, length=5, seed=2)
+    expected = generate(model, ids, REPLAY_TOKENS)
+    fla_calls = release.calls
+    assert fla_calls == len(release.layers) * (REPLAY_TOKENS - 1)  # unpatched, every decode step ran fla
+    with qt.patch(model, "fp32") as patched:
+        got = generate(model, ids, REPLAY_TOKENS)
+        assert all(getattr(layer, release.ATTRIBUTE) is not release.fla_function for layer in release.layers)
+    assert release.calls == fla_calls
+    assert patched.missed_steps(REPLAY_TOKENS - 1) == {}
+    assert torch.equal(got.sequences, expected.sequences)
+    assert max(_rel_rms(g, r) for g, r in zip(got.logits, expected.logits)) <= FP32_BOUND
+    assert _functions(model) == functions and not hasattr(model, "_qstate_patch")
+    assert all(vars(layer)[release.ATTRIBUTE] is release.fla_function for layer in release.layers)
+    generate(model, ids, 2)
+    assert release.calls == fla_calls + len(release.layers)  # restored: fla decodes again
 
 
 def test_a_bf16_model_keeps_bf16_inputs_in_the_ring():

@@ -23,6 +23,21 @@ from helpers.gated_delta import bits_of, rel_rms, token, tokens
 NAMES = ("q", "k", "v", "g", "beta")
 
 
+@pytest.fixture
+def split(request, monkeypatch):
+    """The step kernel alone (False), or the split variant (True: the sweep into a scratch, then
+    the stream kernel); tests take it by indirect parametrization."""
+    from qstate.kernels.gated_delta import replay
+    monkeypatch.setattr(replay, "SPLIT", request.param)
+    return request.param
+
+
+def with_split(cases, split_cases):
+    """``cases`` on the step kernel alone, and ``split_cases`` again on the split variant."""
+    return [pytest.param(*c, False, id=f"one-kernel-{i}") for i, c in enumerate(cases)] + \
+        [pytest.param(*c, True, id=f"split-{i}") for i, c in enumerate(split_cases)]
+
+
 def bound(K, steps):
     return steps * K * 2.0**-24 * 8
 
@@ -86,8 +101,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("channel,ring_len,checkpoint,read", CASES)
-def test_each_step_against_the_exact_recurrence_from_what_it_reads(channel, ring_len, checkpoint, read):
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read,split", with_split(CASES, CASES[1:5]), indirect=["split"])
+def test_each_step_against_the_exact_recurrence_from_what_it_reads(channel, ring_len, checkpoint, read, split):
     steps = ring_len + 1 if ring_len > 1 else 3
     slots = [1, 0] if ring_len < 16 else [0]  # the long ring on one row: the interpreter pays per program
     cache = allocate(2, channel=channel, ring_len=ring_len, read=read, checkpoint=checkpoint)
@@ -118,7 +133,8 @@ def test_against_decode_replay_end_to_end(channel):
     assert rel_rms(cache.materialize([0, 1]), final) < bound(K, T)
 
 
-def test_staggered_cursors_slot_indices_padding_and_reset():
+@pytest.mark.parametrize("split", [False, True], ids=["one-kernel", "split"], indirect=True)
+def test_staggered_cursors_slot_indices_padding_and_reset(split):
     """Slots advanced to different cursors, then steps over all of them with padding rows; a
     mid-stream reset starts its slot afresh; untouched slots stay bit for bit."""
     L = 4
@@ -142,18 +158,6 @@ def test_staggered_cursors_slot_indices_padding_and_reset():
         for slot in (1, 4):
             assert torch.equal(bits_of(getattr(cache, name)[slot]), bits_of(untouched[name][slot])), name
     assert cache.cursor.tolist() == [2, 0, 1, 0, 0]
-
-
-def test_a_cursor_outside_the_ring_is_clamped_into_it():
-    """Whatever the cursor holds, the kernel addresses the slot's own ring only."""
-    cache = allocate(3, channel=False, ring_len=4, read=None)
-    cache.cursor.copy_(torch.tensor([1000, 0, -7], dtype=torch.int32))
-    before = {name: t.clone() for name, t in cache.tensors().items() if t is not None}
-    out = qstate.gated_delta_replay(cache, **token(2, 1, 2, 32, 16), slot_indices=torch.tensor([0, 2]))
-    assert not out.isnan().any()
-    assert cache.cursor.tolist() == [0, 0, 1]
-    for name in ("checkpoint", "ring_k", "ring_v", "ring_g", "ring_beta"):
-        assert torch.equal(getattr(cache, name)[1], before[name][1]), name
 
 
 def test_sizes_and_from_tensors():
@@ -239,11 +243,12 @@ def test_torch_compile_through_the_custom_ops():
             assert torch.equal(getattr(traced, name), getattr(eager, name)), name
 
 
-@pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch", [(*CASES[1], True), (*CASES[2], False)])
-def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch):
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch,split",
+                         with_split([(*CASES[1], True), (*CASES[2], False)], [(*CASES[2], False)]), indirect=["split"])
+def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch, split):
     """The GPU's launch shape under the interpreter: V split over programs, each sweeping the ring
     once and streaming several chunks of V (here 2 programs × 2 chunks of 4 rows of V = 16), with
-    and without loading a chunk ahead."""
+    and without loading a chunk ahead; the split variant's stream kernel takes 4 rows per program."""
     from qstate.kernels.gated_delta import replay
     monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
     monkeypatch.setattr(replay, "PREFETCH", prefetch)

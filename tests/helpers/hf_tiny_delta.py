@@ -56,3 +56,47 @@ MODELS = {"qwen3_next": qwen3_next, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_m
 
 def prompt(batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+class FlaBindingRelease:
+    """Makes the GDN layers of a tiny model decode as those of the releases that bind the step to
+    each layer at construction, with flash-linear-attention installed: the layer holds fla's
+    ``fused_recurrent_gated_delta_rule`` as ``recurrent_gated_delta_rule`` and its decode calls
+    that attribute, never the module-level name. The installed release calls the module-level
+    name, so each layer gets an own ``forward`` that points that name at the layer's attribute
+    for the duration of the call. The fla function here is a stand-in with fla's name and
+    signature that counts its calls and computes with transformers' torch function: on a CPU,
+    the real fla would not run, and installed or not, the installed release's layers would not
+    bind it."""
+
+    ATTRIBUTE = "recurrent_gated_delta_rule"
+    FUNCTION = "torch_recurrent_gated_delta_rule"
+
+    def __init__(self, model):
+        import sys
+
+        self.calls = 0
+        self.layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        module = sys.modules[type(self.layers[0]).__module__]
+        torch_step = getattr(module, self.FUNCTION)
+
+        def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                                             output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+            self.calls += 1
+            return torch_step(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+        fused_recurrent_gated_delta_rule.__module__ = "fla.ops.gated_delta_rule.fused_recurrent"
+        self.fla_function = fused_recurrent_gated_delta_rule
+        for layer in self.layers:
+            setattr(layer, self.ATTRIBUTE, fused_recurrent_gated_delta_rule)
+
+            def forward(*args, _layer=layer, _inner=layer.forward, **kwargs):
+                name = getattr(module, self.FUNCTION)
+                setattr(module, self.FUNCTION, getattr(_layer, self.ATTRIBUTE))
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    setattr(module, self.FUNCTION, name)
+
+            layer.forward = forward
