@@ -31,9 +31,6 @@ from ._register import mutating_op
 __all__ = ["gated_delta_replay_verify", "gated_delta_replay_commit", "gated_delta_replay_check_commits",
            "gated_delta_update_drafts", "gated_delta_commit_drafts"]
 
-_CACHE_TENSORS = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor")
-
-
 def _verify_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor, checkpoint: torch.Tensor, read: Optional[torch.Tensor],
