@@ -22,7 +22,7 @@ import torch
 from . import harness
 
 CASE_MODULES = ("bench.cases_conventional", "bench.cases_replay", "bench.cases_speculative", "bench.cases_exact_dot",
-                "bench.cases_isolation", "bench.cases_gated_delta")
+                "bench.cases_isolation", "bench.cases_gated_delta", "bench.cases_gated_delta_speculative")
 # Only functions named check_codec / check_kernel / sweep_cases / eager_overhead / annotate and
 # cases registered with harness.register are used from each module.
 

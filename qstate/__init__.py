@@ -25,6 +25,9 @@ from .ops.speculative import replay_check_commits, replay_commit, replay_verify 
 from .ops.gated_delta import gated_delta_update  # noqa: E402
 from .gated_delta_cache import GatedDeltaReplayCache  # noqa: E402
 from .ops.gated_delta_replay import gated_delta_replay  # noqa: E402
+from .ops.gated_delta_speculative import (gated_delta_commit_drafts, gated_delta_replay_check_commits,  # noqa: E402
+                                          gated_delta_replay_commit, gated_delta_replay_verify,
+                                          gated_delta_update_drafts)
 
 __version__ = "0.1.0"
 
@@ -37,8 +40,13 @@ __all__ = [
     "GatedDeltaReplayCache",
     "dequantize",
     "formats",
+    "gated_delta_commit_drafts",
     "gated_delta_replay",
+    "gated_delta_replay_check_commits",
+    "gated_delta_replay_commit",
+    "gated_delta_replay_verify",
     "gated_delta_update",
+    "gated_delta_update_drafts",
     "profiles",
     "quantize",
     "reference",

@@ -9,11 +9,13 @@ tensor              shape                                              dtype
 ``checkpoint``      ``(slots, HV, V, K)``                              fp32, bf16 or fp16
 ``read``            ``(slots, HV, V, K)`` or None                      read storage dtype
 ``read_scale``      ``(slots, HV, V)`` (row formats) or None            fp32
-``ring_k``          ``(slots, HK, ring_len, K)``                       ``input_dtype``: raw keys
-``ring_v``          ``(slots, HV, ring_len, V)``                       ``input_dtype``
-``ring_g``          ``(slots, HV, ring_len)`` or ``(…, ring_len, K)``  fp32: log-space gates
-``ring_beta``       ``(slots, HV, ring_len)``                          fp32
+``ring_k``          ``(slots, HK, capacity, K)``                       ``input_dtype``: raw keys
+``ring_v``          ``(slots, HV, capacity, V)``                       ``input_dtype``
+``ring_g``          ``(slots, HV, capacity)`` or ``(…, capacity, K)``  fp32: log-space gates
+``ring_beta``       ``(slots, HV, capacity)``                          fp32
 ``cursor``          ``(slots,)``                                       int32: tokens in the ring
+``drafts``          ``(slots,)``                                       int32: pending drafts
+``commit_errors``   ``(1,)``                                           int32: error bits
 ``slot_flags``      ``(slots,)``                                       int32: flag bits
 ==================  =================================================  ==========================
 
@@ -22,11 +24,19 @@ keys per key head as the caller gave them (normalized where read), values, gates
 head; each head's ring is one contiguous block, read by a program in one sweep. ``ring_g`` has
 one gate per head (``gate="scalar"``, GDN) or one per key channel (``gate="channel"``, KDA).
 
-``slot_flags[s]`` holds the bits the kernels OR in on the device, as ``qstate.ReplayCache``'s
+Speculative decoding (:func:`qstate.gated_delta_replay_verify`,
+:func:`qstate.gated_delta_replay_commit`; kernels/gated_delta/README.md#speculative) needs room
+for the drafts past the committed tokens: ``allocate(..., max_draft=T_max)`` makes the ring
+``capacity = ring_len + max_draft`` tokens long (``capacity == ring_len`` without it). A commit
+flushes a slot once ``ring_len`` tokens are committed, so between rounds ``cursor < ring_len``.
+``drafts[s]`` counts the drafts the last verify appended past the cursor (0: nothing to commit);
+``commit_errors`` collects the bits of commits refused on the device
+(:func:`qstate.gated_delta_replay_check_commits` reads and clears them). ``slot_flags[s]``
+holds the bits the kernels OR in on the device, as ``qstate.ReplayCache``'s
 (``qstate/cache.py`` has the table): ``SLOT_BAD_CURSOR`` when the slot's cursor lies outside
-``[0, ring_len)`` (the row outputs NaN and nothing of the slot is written, its cursor included),
+its ring (the row outputs NaN and nothing of the slot is written, its cursor included),
 ``SLOT_NONFINITE`` when a NaN or ±inf reaches one of the slot's outputs. They are sticky until
-the caller clears them (:meth:`GatedDeltaReplayCache.reset` clears the reset slots').
+the caller clears them (:meth:`reset` clears the reset slots').
 
 A serving engine that owns its memory builds a cache over its own tensors with
 :meth:`GatedDeltaReplayCache.from_tensors`, then admits each sequence with :meth:`reset`.
@@ -86,17 +96,23 @@ class GatedDeltaReplayCache:
     ring_g: torch.Tensor
     ring_beta: torch.Tensor
     cursor: torch.Tensor
+    max_draft: int = 0
+    drafts: Optional[torch.Tensor] = None
+    commit_errors: Optional[torch.Tensor] = None
     slot_flags: Optional[torch.Tensor] = None
 
     def __post_init__(self):
-        if self.slot_flags is None:
-            self.slot_flags = torch.zeros(self.cursor.shape, dtype=torch.int32, device=self.cursor.device)
+        # Small counters not given get zeroed tensors here.
+        for name, shape in (("drafts", self.cursor.shape), ("commit_errors", (1,)), ("slot_flags", self.cursor.shape)):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(shape, dtype=torch.int32, device=self.cursor.device))
 
     @classmethod
     def allocate(
         cls, num_slots: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, *,
         gate: str = "scalar", ring_len: int = 16, checkpoint: FormatLike = "fp32",
         read: Optional[FormatLike] = "fp8_e4m3:row", input_dtype: torch.dtype = torch.bfloat16, device=None,
+        max_draft: int = 0,
     ) -> "GatedDeltaReplayCache":
         """A zeroed cache of ``num_slots`` slots (cursors at 0, states zero).
 
@@ -104,6 +120,8 @@ class GatedDeltaReplayCache:
         K)``). ``checkpoint``: fp32, bf16 or fp16; ``read``: None (outputs read the checkpoint),
         bf16, ``fp8_e4m3:row``, ``fp8_e5m2:row`` or ``int8:row``. ``input_dtype``: the dtype of
         the ring's k and v, which must be that of the decode inputs (fp32, bf16 or fp16).
+        ``max_draft``: the most drafts one :func:`qstate.gated_delta_replay_verify` may take (0:
+        no speculative decoding); the ring then holds ``ring_len + max_draft`` tokens.
         """
         for name, value in (("num_slots", num_slots), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                             ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("ring_len", ring_len)):
@@ -112,23 +130,25 @@ class GatedDeltaReplayCache:
             raise ValueError(f"num_v_heads: expected a multiple of num_k_heads = {num_k_heads}, got {num_v_heads}")
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {list(GATES)}, got {gate!r}")
+        _check_max_draft(max_draft)
         ck_fmt, rd_fmt = _formats(checkpoint, read)
         _input_dtype(input_dtype, "input_dtype")
+        capacity = ring_len + max_draft
         device = torch.device("cpu") if device is None else torch.device(device)
         shape = (num_slots, num_v_heads, head_v_dim, head_k_dim)
 
         def zeros(shp, dtype):
             return torch.zeros(shp, dtype=dtype, device=device)
 
-        gate_shape = (num_slots, num_v_heads, ring_len) + ((head_k_dim,) if gate == "channel" else ())
+        gate_shape = (num_slots, num_v_heads, capacity) + ((head_k_dim,) if gate == "channel" else ())
         cache = cls(
             checkpoint_format=ck_fmt, read_format=rd_fmt, checkpoint=zeros(shape, ck_fmt.storage_dtype),
             read=None if rd_fmt is None else zeros(shape, rd_fmt.storage_dtype),
             read_scale=None if rd_fmt is None or not rd_fmt.scaled else zeros(rd_fmt.scale_shape(shape), torch.float32),
-            ring_k=zeros((num_slots, num_k_heads, ring_len, head_k_dim), input_dtype),
-            ring_v=zeros((num_slots, num_v_heads, ring_len, head_v_dim), input_dtype),
-            ring_g=zeros(gate_shape, torch.float32), ring_beta=zeros((num_slots, num_v_heads, ring_len), torch.float32),
-            cursor=zeros((num_slots,), torch.int32),
+            ring_k=zeros((num_slots, num_k_heads, capacity, head_k_dim), input_dtype),
+            ring_v=zeros((num_slots, num_v_heads, capacity, head_v_dim), input_dtype),
+            ring_g=zeros(gate_shape, torch.float32), ring_beta=zeros((num_slots, num_v_heads, capacity), torch.float32),
+            cursor=zeros((num_slots,), torch.int32), max_draft=max_draft,
         )
         if device.type != "meta":
             cache.reset(range(num_slots))
@@ -139,23 +159,33 @@ class GatedDeltaReplayCache:
         cls, *, checkpoint: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
         ring_beta: torch.Tensor, cursor: torch.Tensor, checkpoint_format: FormatLike = "fp32",
         read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
-        read_scale: Optional[torch.Tensor] = None, slot_flags: Optional[torch.Tensor] = None,
+        read_scale: Optional[torch.Tensor] = None, max_draft: int = 0, drafts: Optional[torch.Tensor] = None,
+        commit_errors: Optional[torch.Tensor] = None, slot_flags: Optional[torch.Tensor] = None,
     ) -> "GatedDeltaReplayCache":
         """A cache over tensors the caller owns (shapes and dtypes in the module docstring);
-        nothing is copied or cleared: :meth:`reset` every slot before the first step (``slot_flags``
-        is allocated, zeroed, when not given). The ring's length is ``ring_k.shape[2]``. The
-        cursors are read once here (one host sync) and must lie in ``[0, ring_len)``; one that
-        memory written later puts outside is met on the device (``SLOT_BAD_CURSOR``)."""
+        nothing is copied or cleared: zero ``drafts`` and ``commit_errors`` and :meth:`reset`
+        every slot before the first step (``drafts``, ``commit_errors`` and ``slot_flags`` are
+        allocated, zeroed, when not given). The ring holds ``ring_k.shape[2] = ring_len +
+        max_draft`` tokens. The cursors and drafts are read once here (one host sync) and must
+        lie in the ring: ``0 <= cursor < ring_len`` and ``0 <= drafts <= max_draft`` (a cursor that
+        memory written later puts outside is met on the device: ``SLOT_BAD_CURSOR``)."""
         ck_fmt, rd_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
+        _check_max_draft(max_draft)
+        _validate.tensor("ring_k", ring_k, ndim=4)
+        if ring_k.shape[2] <= max_draft:
+            raise ValueError(f"ring_k: expected more than max_draft = {max_draft} tokens (ring_len + max_draft) in "
+                             f"dim 2, got shape {tuple(ring_k.shape)}")
         cache = cls(checkpoint_format=ck_fmt, read_format=rd_fmt, checkpoint=checkpoint, read=read,
                     read_scale=read_scale, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
-                    cursor=cursor, slot_flags=slot_flags)
+                    cursor=cursor, max_draft=max_draft, drafts=drafts, commit_errors=commit_errors,
+                    slot_flags=slot_flags)
         cache.validate()
-        n = cursor.long().cpu()
-        bad = (n < 0) | (n >= cache.ring_len)
-        if bool(bad.any()):
-            raise ValueError(f"cursor: expected values in [0, {cache.ring_len}) (ring_len), got {n[bad].tolist()} at "
-                             f"slots {bad.nonzero().flatten().tolist()}")
+        for name, values, top in (("cursor", cursor, cache.ring_len), ("drafts", cache.drafts, max_draft + 1)):
+            n = values.long().cpu()
+            bad = (n < 0) | (n >= top)
+            if bool(bad.any()):
+                raise ValueError(f"{name}: expected values in [0, {top}), got {n[bad].tolist()} at slots "
+                                 f"{bad.nonzero().flatten().tolist()}")
         return cache
 
     def validate(self) -> None:
@@ -165,7 +195,7 @@ class GatedDeltaReplayCache:
         _validate.tensor("ring_g", self.ring_g)
         slots, HV, V, K = self.checkpoint.shape
         HK, L = self.ring_k.shape[1], self.ring_k.shape[2]
-        if min(V, K, HV, L) < 1:
+        if min(V, K, HV, L - self.max_draft) < 1:
             raise ValueError(f"checkpoint: expected HV, V, K >= 1 and a ring of >= 1 token, got checkpoint "
                              f"{tuple(self.checkpoint.shape)}, ring_k {tuple(self.ring_k.shape)}")
         if HK < 1 or HV % HK:
@@ -183,6 +213,8 @@ class GatedDeltaReplayCache:
             "ring_g": (self.ring_g, gate, torch.float32),
             "ring_beta": (self.ring_beta, (slots, HV, L), torch.float32),
             "cursor": (self.cursor, (slots,), torch.int32),
+            "drafts": (self.drafts, (slots,), torch.int32),
+            "commit_errors": (self.commit_errors, (1,), torch.int32),
             "slot_flags": (self.slot_flags, (slots,), torch.int32),
         }
         rd = self.read_format
@@ -202,6 +234,12 @@ class GatedDeltaReplayCache:
 
     @property
     def ring_len(self) -> int:
+        """Committed tokens that make a flush: ``capacity − max_draft``."""
+        return self.ring_k.shape[2] - self.max_draft
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the ring holds: ``ring_len + max_draft``."""
         return self.ring_k.shape[2]
 
     @property
@@ -237,7 +275,8 @@ class GatedDeltaReplayCache:
         return self.ring_k.dtype
 
     def tensors(self) -> dict:
-        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor", "slot_flags")
+        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor", "drafts",
+                 "commit_errors", "slot_flags")
         return {n: getattr(self, n) for n in names}
 
     @property
@@ -250,7 +289,8 @@ class GatedDeltaReplayCache:
         state read of the ``ring_len − 1`` normal steps (read copy with scales, or checkpoint),
         the flush (read and write the checkpoint, write the read copy), each token's append and
         the ring reads (``n`` tokens at a normal step ``n``, ``L − 1`` at the flush). Decode
-        inputs and outputs are not included."""
+        inputs and outputs are not included. For :func:`qstate.gated_delta_replay` (caches
+        without ``max_draft``)."""
         L = self.ring_len
         ck = self.checkpoint[0].numel() * self.checkpoint.element_size()
         rd = ck if self.read is None else self.read[0].numel() * self.read.element_size() + (
@@ -285,9 +325,9 @@ class GatedDeltaReplayCache:
 
     def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None) -> None:
         """Admit sequences: checkpoint ← ``quantize(state)`` (or zeros), read copy ←
-        ``quantize(dequantize(checkpoint))``, ring emptied (cursor 0), as the reference does;
-        the slots' ``slot_flags`` cleared.
-        ``state (len(slots), HV, V, K)``, floating point (the prefill's final state, V-first)."""
+        ``quantize(dequantize(checkpoint))``, ring emptied (cursor 0), as the reference does.
+        ``state (len(slots), HV, V, K)``, floating point (the prefill's final state, V-first).
+        Pending drafts and the slots' flags are cleared."""
         idx = self._slots(slots)
         shape = (idx.numel(), self.num_v_heads, self.head_v_dim, self.head_k_dim)
         if state is None:
@@ -306,6 +346,7 @@ class GatedDeltaReplayCache:
             if self.read_scale is not None:
                 self.read_scale[idx] = rd.scale
         self.cursor[idx] = 0
+        self.drafts[idx] = 0
         self.slot_flags[idx] = 0
 
     def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
@@ -339,3 +380,10 @@ class GatedDeltaReplayCache:
                 d = beta * (self.ring_v[slot, :, j].double() - (s * k[:, None, :]).sum(-1))
                 S[row] = s + d[..., None] * k[:, None, :]
         return S.float()
+
+
+def _check_max_draft(max_draft) -> None:
+    if isinstance(max_draft, bool) or not isinstance(max_draft, int):
+        raise TypeError(f"max_draft: expected an int, got {type(max_draft).__name__}")
+    if max_draft < 0:
+        raise ValueError(f"max_draft: expected an int >= 0, got {max_draft}")

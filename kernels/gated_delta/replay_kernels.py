@@ -8,27 +8,7 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-
-
-@triton.jit
-def _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
-    """Token ``j`` of a head's ring without its value: ``k̂ [BLOCK_K]``, ``α``, ``β`` in fp32 (the
-    pointers are the head's first ring entries)."""
-    k = tile.load_key(ring_k + j * K, cols, K, L2NORM)
-    if CHANNEL:
-        alpha = tile.decay(ring_g + j * K, cols, K, CHANNEL)
-    else:
-        alpha = tile.decay(ring_g + j, cols, K, CHANNEL)
-    return k, alpha, tl.load(ring_beta + j)
-
-
-@triton.jit
-def _apply(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
-    """``S diag(α) + d k̂ᵀ``, ``d = β (v − S diag(α) k̂)``: one token on a ``[BLOCK_V, BLOCK_K]``
-    tile, in the references' order."""
-    S = tile.apply_decay(S, alpha, CHANNEL)
-    d = beta * (v - tl.sum(S * k[None, :], axis=1))
-    return S + d[:, None] * k[None, :]
+from .ring import apply_token, ring_token
 
 
 @triton.jit
@@ -45,7 +25,7 @@ def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.const
     c_ring = tl.zeros([RING_PAD], tl.float32)
     for i in tl.static_range(L - 1):
         j = tl.maximum(n - 1 - i, 0)
-        kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+        kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
         c = bj * tl.sum(kj * T, axis=0)
         live = (tl.zeros_like(cols) + i) < n
         T = tl.where(live, aj * (T - c * kj), T)
@@ -129,10 +109,10 @@ def _replay_step_kernel(
                 S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
                                    BLOCK_K)
                 for j in range(0, L - 1):
-                    kj, aj, bj = _ring_key(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+                    kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
                     vj = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
-                    S = _apply(S, kj, vj, aj, bj, CHANNEL)
-                S = _apply(S, k, v_raw.to(tl.float32), alpha, beta, CHANNEL)
+                    S = apply_token(S, kj, vj, aj, bj, CHANNEL)
+                S = apply_token(S, k, v_raw.to(tl.float32), alpha, beta, CHANNEL)
                 o = tl.sum(S * q[None, :], axis=1)
                 # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
                 flag_nonfinite(flags_ptr, slot, o, row_mask)

@@ -56,6 +56,9 @@ def _check_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out
     if not isinstance(cache, GatedDeltaReplayCache):
         raise TypeError(f"cache: expected a qstate.GatedDeltaReplayCache, got {type(cache).__name__}")
     cache.validate()
+    if cache.max_draft:
+        raise ValueError(f"cache: expected a cache without drafts (max_draft 0) for the plain step, got max_draft "
+                         f"{cache.max_draft}: use gated_delta_replay_verify with T = 1 and gated_delta_replay_commit")
     dims = _gated_delta_checks.check_token(q, k, v, g, beta, num_v_heads=cache.num_v_heads,
                                            head_k_dim=cache.head_k_dim, head_v_dim=cache.head_v_dim,
                                            device=cache.device, owner="the cache")

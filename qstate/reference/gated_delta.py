@@ -48,7 +48,8 @@ import torch
 from .. import _validate
 from ..formats import FormatLike, as_format, dequantize, quantize
 
-__all__ = ["step", "decode_exact", "decode_naive", "decode_replay", "l2norm", "RING_KINDS", "L2_EPS"]
+__all__ = ["step", "decode_exact", "decode_naive", "decode_replay", "decode_speculative", "l2norm", "RING_KINDS",
+           "L2_EPS"]
 
 L2_EPS = 1e-6  # the eps of transformers' and fla's l2 norm
 RING_KINDS = ("inputs", "corrected")
@@ -344,3 +345,72 @@ def decode_replay(
             buf = ring_type()
     o, final = torch.stack(outs), (buf.fold(S_c) if len(buf) else S_c)
     return (o, final, S_c) if return_checkpoint else (o, final)
+
+
+def decode_speculative(
+    state0, q, k, v, g, beta, num_accepted, *, checkpoint: FormatLike = "fp32", read: Optional[FormatLike] = None,
+    ring_len: int = 16, scale=None, use_qk_l2norm=True, allow_neg_eigval=False, return_checkpoint: bool = False,
+):
+    """Speculative decoding on replay in fp64: ``R`` rounds of ``T`` drafts, each a verify and a commit.
+
+    ``q, k (R, T, batch, HK, K)``, ``v (R, T, batch, HV, V)``, ``g (R, T, batch, HV)`` or ``(R,
+    T, batch, HV, K)``, ``beta (R, T, batch, HV)``, ``num_accepted (R, batch)`` integers in
+    ``0 … T``. Checkpoint and read copy are stored as in :func:`decode_replay`. In round r,
+    draft t of a row outputs the exact recurrence from the read copy (the checkpoint without
+    one) over the row's committed ring tokens and drafts ``0 … t`` (the adjoint sweep); the
+    commit keeps the first ``num_accepted[r, row]`` drafts in the ring, and a row whose committed
+    tokens reach ``ring_len`` folds them into the checkpoint (fp64 from the stored checkpoint,
+    then stored) and rebuilds its read copy. Returns ``(o (R, T, batch, HV, V), final_state)``
+    and, with ``return_checkpoint``, the stored checkpoints' values last.
+    """
+    ck_fmt = as_format(checkpoint, "checkpoint")
+    read_fmt = None if read is None else as_format(read, "read")
+    _validate.positive_int("ring_len", ring_len)
+    if not isinstance(return_checkpoint, bool):
+        raise TypeError(f"return_checkpoint: expected a bool, got {type(return_checkpoint).__name__}")
+    _validate.tensor("k", k, ndim=5)
+    R, T = k.shape[:2]
+    flat = [t.reshape(R * T, *t.shape[2:]) if t.dim() >= 2 and t.shape[:2] == (R, T) else t
+            for t in (q, k, v, g, beta)]
+    dims = _check(state0, *flat, scale, use_qk_l2norm, allow_neg_eigval)
+    if dims.steps != R * T:
+        raise ValueError(f"q: expected leading dims (R, T) = ({R}, {T}) as k, got shape {tuple(q.shape)}")
+    _validate.tensor("num_accepted", num_accepted, floating=False)
+    _validate.shape("num_accepted", num_accepted, (R, dims.batch), "(R, batch)")
+    if num_accepted.dtype.is_floating_point or num_accepted.dtype == torch.bool:
+        raise TypeError(f"num_accepted: expected an integer tensor, got {num_accepted.dtype}")
+    if num_accepted.numel() and not bool(((num_accepted >= 0) & (num_accepted <= T)).all()):
+        raise ValueError(f"num_accepted: expected values in 0 … T = {T}, got {num_accepted.tolist()}")
+    qh, kh, vv, alpha, b = (t.reshape(R, T, *t.shape[1:])
+                            for t in _prepare(*flat, scale, use_qk_l2norm, dims, torch.float64))
+
+    def store(S: torch.Tensor):
+        ck_values = dequantize(quantize(S.float(), ck_fmt)).double()
+        if read_fmt is None:
+            return ck_values, ck_values
+        return ck_values, dequantize(quantize(ck_values.float(), read_fmt)).double()
+
+    o = torch.zeros(R, T, dims.batch, dims.num_v_heads, dims.head_v_dim, dtype=torch.float64)
+    finals, checkpoints = [], []
+    for row in range(dims.batch):
+        pick = slice(row, row + 1)
+        S_c, R_c = store(state0[pick].double())
+        committed = _InputRing()
+        for r in range(R):
+            drafts = [(kh[r, t, pick], vv[r, t, pick], alpha[r, t, pick], b[r, t, pick]) for t in range(T)]
+            for t in range(T):
+                ring = _InputRing()
+                for token in zip(committed.k, committed.v, committed.alpha, committed.beta):
+                    ring.append(None, *token)
+                for token in drafts[:t + 1]:
+                    ring.append(None, *token)
+                o[r, t, pick] = ring.output(R_c, qh[r, t, pick])
+            for token in drafts[:int(num_accepted[r, row])]:
+                committed.append(None, *token)
+            if len(committed) >= ring_len:
+                S_c, R_c = store(committed.fold(S_c))
+                committed = _InputRing()
+        finals.append(committed.fold(S_c))
+        checkpoints.append(S_c)
+    final, ck = torch.cat(finals), torch.cat(checkpoints)
+    return (o, final, ck) if return_checkpoint else (o, final)
