@@ -84,6 +84,18 @@ def test_roundtrip_equals_quantize_dequantize(fmt):
     assert torch.equal(codes, q.data.float())
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3:row", "fp8_e4m3:block32", "fp8_e5m2:head"])
+def test_fp8_roundtrip_keeps_every_bit(fmt):
+    """fp8 rounds in fp32 arithmetic rather than through torch's cast: the same bits, −0 included."""
+    x = _awkward_values()
+    x[0, 2, 0, :] = torch.tensor([1.0] + [-(2.0**-40)] * 63)  # negative values that round to −0
+    fmt = StateFormat.parse(fmt)
+    got = roundtrip_(x.clone(), fmt)
+    want = dequantize(quantize(x, fmt))
+    assert (got.view(torch.int32) == want.view(torch.int32)).all()
+    assert torch.signbit(got[0, 2, 0, 1:]).all()
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3:row+sr", "int8:block32+sr", "bf16+sr"])
 def test_roundtrip_stochastic_draws_like_quantize(fmt):
     x = _awkward_values()

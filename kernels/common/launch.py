@@ -199,6 +199,13 @@ class CompiledLaunch:
                   if position < count))
 
 
+def _split_alignment(aligned) -> tuple[tuple, list]:
+    """``(position, aligned)`` pairs as the positions and the list of flags a call's alignment is
+    compared with in one comprehension (the comparison runs on every call)."""
+    pairs = tuple(aligned)
+    return tuple(position for position, _ in pairs), [flag for _, flag in pairs]
+
+
 class PreparedLaunch:
     """A compiled kernel's launch with every argument after the leading ones bound.
 
@@ -210,18 +217,17 @@ class PreparedLaunch:
     strides, dtypes, devices and plain arguments equal to the prepared call's): that is what the
     op's :class:`Dispatch` signature holds."""
 
-    __slots__ = ("_launcher", "_bound", "_aligned", "_integer_types")
+    __slots__ = ("_launcher", "_bound", "_positions", "_aligned", "_integer_types")
 
     def __init__(self, launcher, bound: tuple, aligned: tuple, integer_types: tuple):
         self._launcher = launcher
         self._bound = bound
-        self._aligned = aligned
+        self._positions, self._aligned = _split_alignment(aligned)
         self._integer_types = integer_types
 
     def fits(self, *leading) -> bool:
-        for position, aligned in self._aligned:
-            if (leading[position].data_ptr() % 16 == 0) != aligned:
-                return False
+        if [leading[position].data_ptr() % 16 == 0 for position in self._positions] != self._aligned:
+            return False
         for position, integer_type in self._integer_types:
             if _integer_type(leading[position]) != integer_type:
                 return False
@@ -247,20 +253,20 @@ class PreparedLaunches:
     tensors' alignment, checked once each, is every launch's; their leading arguments hold no
     volatile integer."""
 
-    __slots__ = ("_launches", "_split", "_aligned")
+    __slots__ = ("_launches", "_split", "_positions", "_aligned")
 
     def __init__(self, launches: Sequence[PreparedLaunch], split: Callable[..., tuple], tensors: Sequence):
         if any(prepared._integer_types for prepared in launches):
             raise ValueError("launches: expected no volatile integer among the leading arguments")
         self._launches = tuple(launches)
         self._split = split
-        self._aligned = tuple((position, tensor.data_ptr() % 16 == 0) for position, tensor in enumerate(tensors)
-                              if isinstance(tensor, torch.Tensor))
+        self._positions, self._aligned = _split_alignment(
+            (position, tensor.data_ptr() % 16 == 0) for position, tensor in enumerate(tensors)
+            if isinstance(tensor, torch.Tensor))
 
     def __call__(self, *tensors) -> bool:
-        for position, aligned in self._aligned:
-            if (tensors[position].data_ptr() % 16 == 0) != aligned:
-                return False
+        if [tensors[position].data_ptr() % 16 == 0 for position in self._positions] != self._aligned:
+            return False
         for prepared, leading in zip(self._launches, self._split(*tensors)):
             prepared.launch(*leading)
         return True

@@ -77,16 +77,16 @@ def check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
 
 def cache_layout(cache, launched: bool = False):
     """What the checks read of a cache (a fresh object, equal to nothing, for a non-cache); with
-    ``launched``, also what the launches read of it besides its tensors' addresses: their
-    metadata, the formats and the seed."""
+    ``launched``, what the launches read of it besides its tensors' addresses: their metadata
+    (which holds the sizes, device and input dtype: the checkpoint's, ring_B's and ring_x's), the
+    formats and the seed."""
     if not isinstance(cache, ReplayCache):
         return object()
-    layout = (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
-              cache.input_dtype, cache.max_draft)
-    if not launched:
-        return layout
-    return (*layout, *map(_signature.tensor_meta, ring_state(cache)), str(cache.checkpoint_format),
-            None if cache.read_format is None else str(cache.read_format), cache.seed)
+    if launched:
+        return (cache.max_draft, _signature.metas(ring_state(cache)), cache.checkpoint_format, cache.read_format,
+                cache.seed)
+    return (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
+            cache.input_dtype, cache.max_draft)
 
 
 def ring_state(cache: ReplayCache) -> tuple:
@@ -111,7 +111,7 @@ def checked_ring_call(dispatch: Dispatch, check, cache, x, dt, A, B, C, D, z, dt
     :func:`cache_layout` with ``launched`` says what of the cache the signature holds), the slot
     values every call; returns ``out`` (allocated like x when None) and the entry."""
     signature = (cache_layout(cache, launched), type(dt_softplus), dt_softplus,
-                 *map(_signature.tensor_meta, (x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
+                 _signature.metas((x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
     entry = dispatch.entry(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
     if slot_indices is not None:
         check_slot_values(slot_indices, cache)

@@ -26,3 +26,10 @@ def tensor_meta(t) -> Hashable:
     if isinstance(t, torch.Tensor):
         return t.dtype, t.device, t.shape, t.stride()
     return object()
+
+
+def metas(tensors) -> tuple:
+    """:func:`tensor_meta` of each of ``tensors``, in one comprehension (no call per argument: the
+    signature is built on every call)."""
+    return tuple([(t.dtype, t.device, t.shape, t.stride()) if isinstance(t, torch.Tensor) else
+                  None if t is None else object() for t in tensors])

@@ -148,8 +148,8 @@ def selective_state_update(
     # but the tensors' addresses and the seed (kernels/README.md#dispatch).
     signature = (state_format, type(dt_softplus), dt_softplus, type(pad_slot_id), pad_slot_id,
                  seed.dtype if isinstance(seed, torch.Tensor) else None,
-                 *map(_signature.tensor_meta, (state, state_scale, x, dt, A, B, C, D, z, dt_bias,
-                                               state_batch_indices, out, slot_flags)))
+                 _signature.metas((state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out,
+                                   slot_flags)))
     entry = _DISPATCH.entry(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                             state_batch_indices, state_scale, state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
