@@ -13,13 +13,14 @@ state equal decoding the accepted tokens one by one (``decode_exact``) within fp
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import qstate
 from qstate import formats
 from qstate.ops import gated_delta_speculative as spec
 from qstate.reference import gated_delta as reference
 
+from helpers import ci_examples
 from helpers.gated_delta import bits_of, rel_rms
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -165,7 +166,7 @@ def test_against_decode_speculative(channel):
     assert rel_rms(cache.materialize(range(batch)), final) < bound(K, L + T) * R
 
 
-@settings(derandomize=True, deadline=None, max_examples=6)
+@ci_examples(6)
 @given(st.lists(st.integers(0, 2), min_size=1, max_size=5))
 def test_any_acceptance_sequence_equals_sequential_decode(accepted):
     """A slot accepting ``accepted[r]`` of 2 drafts in round r outputs and ends in what decoding
