@@ -8,7 +8,7 @@ and the single-launch step kernel (``/fused``), with the conventional fp32 kerne
 same group as the yardstick (``replay/b{batch}/conventional-fp32``); ``annotate`` reports each
 case's ratio to it and checks ``TARGETS``. Further cases (Nemotron-H-8B layer, bf16 inputs)
 for the per-head and the grouped step kernel (name suffix ``/per-head`` or ``/grouped-h8``) and
-the ``/agree`` variant:
+the ``/no-agree`` variant (lanes not made to agree; what ``agree`` costs):
 
 * ``replay/b{batch}/{checkpoint}+{read}/L{L}/...``: one timed call runs a whole flush cycle
   (``L`` steps, so exactly one flush per slot); µs and bytes are per step, bytes from
@@ -332,8 +332,8 @@ TARGETS = {
     ("fp8_e4m3:row", 256, "aligned"): dict(us=132 * 1.02),  # no regression: within 2 % of 132 µs
 }
 HEADLINE_BATCHES = (1, 16, 64, 256)
-# The single-launch step kernel (launch_replay_decode(fused=True)) and the agree variant.
-STEP_KERNELS.update({"fused": dict(fused=True), "agree": dict(agree=True), "fused-agree": dict(fused=True, agree=True)})
+# The single-launch step kernel (launch_replay_decode(fused=True)) and lanes left to disagree (agree=False).
+STEP_KERNELS.update({"fused": dict(fused=True), "no-agree": dict(agree=False)})
 
 
 def conventional_case(batch, device, layer=LAYER):
@@ -375,8 +375,8 @@ def timing_cases(device, layer=LAYER):
                 out.append(single_step_case(256, "fp32", read, 16, name, which, device, layer=layer))
     out += [single_step_case(256, "fp32", read, 16, "default", which, device, layer=layer)
             for read in (None, "fp8_e4m3:row") for which in ("normal", "flush")]
-    # What agreeing lanes (racecheck's candidate) costs where the kernels are busiest.
-    out += [cycle_case(256, "fp32", read, 16, "agree", device, phase="staggered", layer=layer)
+    # What agreeing lanes cost where the kernels are busiest: the same cycles without them.
+    out += [cycle_case(256, "fp32", read, 16, "no-agree", device, phase="staggered", layer=layer)
             for read in (None, "fp8_e4m3:row")]
     return out
 

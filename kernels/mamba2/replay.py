@@ -26,9 +26,10 @@ tile, so a step is one launch and normal rows never wait for a second kernel. Th
 of each row to finish (a ticket per slot in ``flush_rows``) moves its cursor and generation.
 Outputs and checkpoints are bit-identical to the two-launch path's per-head kernel.
 
-Every kernel takes ``agree`` (constexpr ``AGREE``): each fp32 sum that feeds an output is made
-bit-identical across the lanes holding it before any layout conversion
-(``ring.agree_rows``; a candidate against racecheck's shared-memory WAW reports), and
+Every kernel takes ``agree`` (constexpr ``AGREE``, on by default): each fp32 sum that feeds an
+output is made bit-identical across the lanes holding it before any layout conversion
+(``ring.agree_rows``), so no conversion writes differently rounded replicas to one shared
+address (racecheck's WAW reports; ``agree=False`` is the plain form, kept for comparison).
 ``fp_fusion=False`` compiles every kernel without FMA contraction (a diagnostic: it changes
 roundings).
 """
@@ -202,7 +203,7 @@ def launch_replay_decode(
     flush_rows, flush_counters, slot_flags, *, checkpoint_format, read_format, seed: int,
     step_block_p: Optional[int] = None, step_warps: Optional[int] = None,
     heads_per_program: Optional[int] = None, step_stages: Optional[int] = None,
-    fused: Optional[bool] = None, agree: bool = False, fp_fusion: Optional[bool] = None,
+    fused: Optional[bool] = None, agree: bool = True, fp_fusion: Optional[bool] = None,
 ):
     """Launch one replay decode step. Arguments are already validated (``qstate.ops.replay``):
     x, z, out ``(batch, nheads, headdim)`` and B, C ``(batch, ngroups, dstate)`` with unit
@@ -275,7 +276,7 @@ def _decode_launches(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out, checkpoint, checkpoint_scale, read, read_scale,
     ring_x, ring_dt, ring_B, cursor, generation, flush_rows, flush_counters, slot_flags, *, checkpoint_format,
     read_format, seed, step_block_p=None, step_warps=None, heads_per_program=None, step_stages=None, fused=None,
-    agree=False, fp_fusion=None,
+    agree=True, fp_fusion=None,
 ):
     """``(CompiledLaunch, grid, args, constexprs)`` of :func:`launch_replay_decode`'s step and
     flush kernels in launch order, or of the single-launch step kernel alone."""
