@@ -81,67 +81,68 @@ def check_kernel(device):
     shape = dict(nheads=8, headdim=64, dstate=128, ngroups=2)
     H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
     batch, rounds = 3, 12
-    for dtype in (torch.float32, torch.bfloat16):
-        for read in (None, "fp8_e4m3:row"):
-            g = torch.Generator().manual_seed(7)
-            cache = ReplayCache.allocate(batch, **shape, ring_len=4, read=read, input_dtype=dtype, device=device,
-                                         max_draft=4)
-            state0 = torch.randn(batch, H, P, N, generator=g)
-            cache.reset(list(range(batch)), state0)
-            history = [dict(x=[], dt=[], B=[], C=[], z=[], y=[]) for _ in range(batch)]
-            # Per row: the checkpoint the current segment started from and its accepted tokens.
-            segments = [dict(start=cache.checkpoint_values([row])[0].cpu(), x=[], dt=[], B=[], C=[], z=[], y=[])
-                        for row in range(batch)]
-            closed = []
-            params = None
-            for r in range(rounds):
-                T = (1, 2, 4)[r % 3]
-                inp = draft_inputs(batch, T, **shape, device=device, dtype=dtype, seed=100 + r)
-                params = {k: inp.pop(k) for k in ("A", "D", "dt_bias")} if params is None else params
-                for k in ("A", "D", "dt_bias"):
-                    inp.pop(k, None)
-                generation = cache.generation.cpu().clone()
-                y = replay_verify(cache, **inp, **params, dt_softplus=True)
-                for row in torch.nonzero(cache.generation.cpu() != generation).flatten().tolist():
-                    # This verify flushed the row first: its drafts read the new checkpoint's read copy.
-                    closed.append(segments[row])
-                    segments[row] = dict(start=cache.checkpoint_values([row])[0].cpu(), x=[], dt=[], B=[], C=[],
-                                         z=[], y=[])
-                accepted = torch.randint(0, T + 1, (batch,), generator=g)
-                replay_commit(cache, accepted.to(device=device, dtype=torch.int32))
-                for row in range(batch):
-                    a = int(accepted[row])
-                    for k in ("x", "dt", "B", "C", "z"):
-                        history[row][k] += list(inp[k][row, :a].cpu())
-                        segments[row][k] += list(inp[k][row, :a].cpu())
-                    history[row]["y"] += list(y[row, :a].cpu())
-                    segments[row]["y"] += list(y[row, :a].cpu())
-            replay_check_commits(cache)
-            final = cache.materialize(list(range(batch)), params["A"]).double().cpu()
-            cpu_params = {k: v.cpu() for k, v in params.items()}
-            y_err = y_norm = s_err = s_norm = 0.0
-            for seg in closed + segments:
-                if not seg["x"]:
-                    continue
-                stack = {k: torch.stack(seg[k])[:, None] for k in ("x", "dt", "B", "C", "z")}
-                y_ref, _ = reference.decode_replay(seg["start"][None], **stack, **cpu_params, dt_softplus=True,
-                                                   checkpoint="fp32", read=read, ring_len=10**6)
-                y_err += float((torch.stack(seg["y"]).double() - y_ref[:, 0]).norm() ** 2)
-                y_norm += float(y_ref.norm() ** 2)
+    # Ring 4 and the timed cases' ring of 16 (with room for 4 drafts its fold tile is 32 tokens).
+    for dtype, read, ring_len in [(d, r, L) for d in (torch.float32, torch.bfloat16)
+                                  for r in (None, "fp8_e4m3:row") for L in (4, 16)]:
+        g = torch.Generator().manual_seed(7)
+        cache = ReplayCache.allocate(batch, **shape, ring_len=ring_len, read=read, input_dtype=dtype, device=device,
+                                     max_draft=4)
+        state0 = torch.randn(batch, H, P, N, generator=g)
+        cache.reset(list(range(batch)), state0)
+        history = [dict(x=[], dt=[], B=[], C=[], z=[], y=[]) for _ in range(batch)]
+        # Per row: the checkpoint the current segment started from and its accepted tokens.
+        segments = [dict(start=cache.checkpoint_values([row])[0].cpu(), x=[], dt=[], B=[], C=[], z=[], y=[])
+                    for row in range(batch)]
+        closed = []
+        params = None
+        for r in range(rounds * ring_len // 4):  # a few flushes at either ring length
+            T = (1, 2, 4)[r % 3]
+            inp = draft_inputs(batch, T, **shape, device=device, dtype=dtype, seed=100 + r)
+            params = {k: inp.pop(k) for k in ("A", "D", "dt_bias")} if params is None else params
+            for k in ("A", "D", "dt_bias"):
+                inp.pop(k, None)
+            generation = cache.generation.cpu().clone()
+            y = replay_verify(cache, **inp, **params, dt_softplus=True)
+            for row in torch.nonzero(cache.generation.cpu() != generation).flatten().tolist():
+                # This verify flushed the row first: its drafts read the new checkpoint's read copy.
+                closed.append(segments[row])
+                segments[row] = dict(start=cache.checkpoint_values([row])[0].cpu(), x=[], dt=[], B=[], C=[],
+                                     z=[], y=[])
+            accepted = torch.randint(0, T + 1, (batch,), generator=g)
+            replay_commit(cache, accepted.to(device=device, dtype=torch.int32))
             for row in range(batch):
-                h = history[row]
-                if not h["x"]:
-                    continue
-                stack = {k: torch.stack(h[k])[:, None] for k in ("x", "dt", "B", "C", "z")}
-                _, S_ref = reference.decode_exact(state0[row:row + 1], **stack, **cpu_params, dt_softplus=True)
-                s_err += float((final[row] - S_ref[0]).norm() ** 2)
-                s_norm += float(S_ref.norm() ** 2)
-            y_rel, s_rel = (y_err / y_norm) ** 0.5, (s_err / s_norm) ** 0.5
-            y_tol = 1e-5 + (1e-2 if dtype == torch.bfloat16 else 0.0)
-            key = f"verify/commit {read} {str(dtype).replace('torch.', '')}"
-            report.append(dict(check=key, y_rel_rms=y_rel, state_rel_rms=s_rel, flushes=cache.generation.tolist()))
-            if not (y_rel <= y_tol and s_rel <= 1e-5):
-                failures.append(f"{key}: y rel {y_rel:.2e} (tol {y_tol:g}), state rel {s_rel:.2e} (tol 1e-5)")
+                a = int(accepted[row])
+                for k in ("x", "dt", "B", "C", "z"):
+                    history[row][k] += list(inp[k][row, :a].cpu())
+                    segments[row][k] += list(inp[k][row, :a].cpu())
+                history[row]["y"] += list(y[row, :a].cpu())
+                segments[row]["y"] += list(y[row, :a].cpu())
+        replay_check_commits(cache)
+        final = cache.materialize(list(range(batch)), params["A"]).double().cpu()
+        cpu_params = {k: v.cpu() for k, v in params.items()}
+        y_err = y_norm = s_err = s_norm = 0.0
+        for seg in closed + segments:
+            if not seg["x"]:
+                continue
+            stack = {k: torch.stack(seg[k])[:, None] for k in ("x", "dt", "B", "C", "z")}
+            y_ref, _ = reference.decode_replay(seg["start"][None], **stack, **cpu_params, dt_softplus=True,
+                                               checkpoint="fp32", read=read, ring_len=10**6)
+            y_err += float((torch.stack(seg["y"]).double() - y_ref[:, 0]).norm() ** 2)
+            y_norm += float(y_ref.norm() ** 2)
+        for row in range(batch):
+            h = history[row]
+            if not h["x"]:
+                continue
+            stack = {k: torch.stack(h[k])[:, None] for k in ("x", "dt", "B", "C", "z")}
+            _, S_ref = reference.decode_exact(state0[row:row + 1], **stack, **cpu_params, dt_softplus=True)
+            s_err += float((final[row] - S_ref[0]).norm() ** 2)
+            s_norm += float(S_ref.norm() ** 2)
+        y_rel, s_rel = (y_err / y_norm) ** 0.5, (s_err / s_norm) ** 0.5
+        y_tol = 1e-5 + (1e-2 if dtype == torch.bfloat16 else 0.0)
+        key = f"verify/commit {read} {str(dtype).replace('torch.', '')} L{ring_len}"
+        report.append(dict(check=key, y_rel_rms=y_rel, state_rel_rms=s_rel, flushes=cache.generation.tolist()))
+        if not (y_rel <= y_tol and s_rel <= 1e-5):
+            failures.append(f"{key}: y rel {y_rel:.2e} (tol {y_tol:g}), state rel {s_rel:.2e} (tol 1e-5)")
     # Baseline: the stored per-draft states are the states of T conventional steps.
     g = torch.Generator().manual_seed(9)
     inp = draft_inputs(batch, T_DRAFT, **shape, device=device, dtype=torch.float32, seed=11)

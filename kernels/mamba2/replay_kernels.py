@@ -400,7 +400,8 @@ def _replay_flush_kernel(
         ring_head = slot.to(tl.int64) * NHEADS + h
         ring_group = slot.to(tl.int64) * (NHEADS // HEADS_PER_GROUP) + g
         ring, total = fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, L, A, rows, cols, mask_p,
-                                mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N, AGREE)
+                                mask_n, headdim, dstate, L, BLOCK_L, BLOCK_P, BLOCK_N, AGREE, False, 0.0, 0.0,
+                                0.0)
         _flush_tile(ring, total, A, x_ptr, C_ptr, D_ptr, z_ptr, y_ptr, ck_ptr, ck_scale_ptr, read_ptr, read_scale_ptr,
                     slot_flags_ptr, seed, tl.load(generation_ptr + slot), b, slot, h, g, rows, cols, mask_p, mask_n,
                     mask, stride_x_b, stride_x_h, stride_C_b, stride_C_g, stride_z_b, stride_z_h, stride_y_b,

@@ -190,8 +190,7 @@ def store_state(values, mask, codes_ptr, scale_ptr, seed, slot, h, rows, cols, n
 @triton.jit
 def fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count, A, rows, cols, mask_p, mask_n,
               headdim, dstate, CAP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
-              BLOCK_N: tl.constexpr, AGREE: tl.constexpr = False, CURRENT: tl.constexpr = False,
-              x_cur=0.0, dt_cur=0.0, B_cur=0.0):
+              BLOCK_N: tl.constexpr, AGREE: tl.constexpr, CURRENT: tl.constexpr, x_cur, dt_cur, B_cur):
     """The ring's first ``count`` tokens folded over a zero state, ``Σ_j exp(A·(Λ − Λ_j))·dt_j ·
     x_j ⊗ B_j`` ([BLOCK_P, BLOCK_N] fp32), and ``Λ = Σ_j dt_j``. With ``CURRENT`` the last one,
     at ``count − 1``, is taken from registers (``x_cur`` [BLOCK_P], ``dt_cur``, ``B_cur``
@@ -215,11 +214,11 @@ def fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, count,
     for c in range(0, tl.cdiv(count, CHUNK)):
         jc = c * CHUNK + tl.arange(0, CHUNK)
         live = jc < stored
-        dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=live, other=0.0)  # [CHUNK]
+        chunk_dts = tl.load(ring_dt_ptr + ring_head * CAP + jc, mask=live, other=0.0)  # [CHUNK]
         if CURRENT:
-            dts = tl.where(jc == stored, dt_cur, dts)
-        weights = tl.exp(A * (total - (before + tl.cumsum(dts, axis=0)))) * dts
-        before += agree_scalar(tl.sum(dts, axis=0), CHUNK, AGREE)
+            chunk_dts = tl.where(jc == stored, dt_cur, chunk_dts)
+        weights = tl.exp(A * (total - (before + tl.cumsum(chunk_dts, axis=0)))) * chunk_dts
+        before += agree_scalar(tl.sum(chunk_dts, axis=0), CHUNK, AGREE)
         x_ring = tl.load(ring_x_ptr + (ring_head * CAP + jc[:, None]) * headdim + rows[None, :],
                          mask=live[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_P]
         B_ring = tl.load(ring_B_ptr + (ring_group * CAP + jc[:, None]) * dstate + cols[None, :],

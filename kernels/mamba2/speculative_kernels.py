@@ -247,7 +247,7 @@ def _verify_flush_kernel(
         ring_head = slot.to(tl.int64) * nheads + h
         ring_group = slot.to(tl.int64) * (nheads // heads_per_group) + g
         ring, total = fold_ring(ring_x_ptr, ring_dt_ptr, ring_B_ptr, ring_head, ring_group, n, A, rows, cols, mask_p,
-                                mask_n, headdim, dstate, CAP, BLOCK_J, BLOCK_P, BLOCK_N)
+                                mask_n, headdim, dstate, CAP, BLOCK_J, BLOCK_P, BLOCK_N, False, False, 0.0, 0.0, 0.0)
         checkpoint = load_state(ck_ptr, ck_scale_ptr, slot, h, rows, cols, mask, nheads, headdim, dstate,
                                 CK_DTYPE, CK_GRAN, HW, BLOCK_P, BLOCK_N)
         # Stochastic rounding: one Philox stream per (slot, flush), as the replay flush draws it.
