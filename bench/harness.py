@@ -7,6 +7,13 @@ device and returns ``Case``s; each case's ``make_buffers()`` returns one indepen
 arguments and ``run(buffers)`` launches the op once on it. The harness allocates enough buffer
 sets to exceed ``COLD_BYTES`` (so each call finds its data outside the 50 MB L2), captures one
 CUDA graph that calls ``run`` once per set, replays it, and reports the median time per call.
+
+Adding cases: a module ``bench/cases_<op>.py`` registers builders with ``@register("<group>")``,
+each returning ``Case``s (``make_buffers()``, ``run(buffers)``, ``bytes_moved``). Optional module
+functions used by ``run_gpu.py``: ``check_codec(device)``, ``check_kernel(device)`` (→ failures,
+report rows), ``sweep_cases(device)``, ``eager_overhead(device)``, ``annotate(by_group)``. List
+the module in ``run_gpu.CASE_MODULES``; all registered groups are timed in one run, against the
+same ceilings.
 """
 
 from __future__ import annotations
