@@ -83,3 +83,20 @@ def test_calibrate_refuses_models_without_recurrent_layers():
         profiles.calibrate("qwen", hf_tiny_delta.prompt())
     with pytest.raises(ValueError, match="^model: expected a transformers"):
         profiles.calibrate(torch.nn.Linear(2, 2), hf_tiny_delta.prompt())
+
+
+def test_observer_sees_the_steps_of_a_layer_holding_fla_step_function():
+    """Releases that bind the step to the layer at construction (fla's function with fla
+    installed) decode through that attribute, never the module-level name: the observer wraps
+    the attribute too, sees every step, and puts the very same function back on exit.
+    Simulated (``hf_tiny_delta.FlaBindingRelease``; see there why)."""
+    m = hf_tiny_delta.qwen3_5(seed=3)
+    release = hf_tiny_delta.FlaBindingRelease(m)
+    steps = []
+    with delta_observe.observe(m, lambda layer, step: steps.append(layer)) as layers:
+        decode_logits(m, hf_tiny_delta.prompt(batch=2, length=5), NEW_TOKENS)
+    assert steps == [layers[0][0]] * NEW_TOKENS
+    assert release.calls == len(release.layers) * NEW_TOKENS  # fla's function computed every step
+    assert all(vars(layer)[release.ATTRIBUTE] is release.fla_function for layer in release.layers)
+    calibrated = profiles.calibrate(m, hf_tiny_delta.prompt(batch=1, length=5, seed=1), NEW_TOKENS)
+    assert calibrated.tokens == NEW_TOKENS

@@ -9,7 +9,11 @@ with ``query, key (batch, 1, HK, K)`` (HV heads in releases that repeat them fir
 ``beta (batch, 1, HV)`` after the sigmoid and ``initial_state (batch, HV, K, V)``.
 :func:`observe` swaps that function for a wrapper while it is active and wraps each layer's
 ``forward`` so the wrapper knows which layer calls; the wrapper runs transformers' function
-unchanged and hands the step to a recorder. Leaving the context puts both back.
+unchanged and hands the step to a recorder. Releases that bind the step to each layer at
+construction (fla's function when flash-linear-attention is installed, else transformers') call
+it through that attribute instead: those attributes (:func:`.delta_routes.step_attributes`) get
+the same wrapper. Leaving the context puts back every name, attribute and ``forward``, the very
+objects that were there.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import sys
 from typing import Callable, Iterator
 
 import torch
+
+from .delta_routes import step_attributes
 
 __all__ = ["SUPPORTED_LAYERS", "DeltaStep", "find_delta_layers", "observe"]
 
@@ -90,7 +96,11 @@ def observe(model: torch.nn.Module, record: Callable[[str, DeltaStep], None]) ->
     if not layers:
         raise ValueError(f"model: expected a transformers model with gated delta rule layers "
                          f"({', '.join(SUPPORTED_LAYERS)}), found none in {type(model).__name__}")
-    swapped, wrapped = [], []
+    # read before the module-level names are swapped: step_attributes matches the original function
+    bindings = [(layer, step_attributes(layer, getattr(sys.modules[type(layer).__module__],
+                                                        SUPPORTED_LAYERS[type(layer).__name__])))
+                for _, layer in layers]
+    swapped, bound, wrapped = [], [], []
     try:
         for module_name in sorted({type(m).__module__ for _, m in layers}):
             module = sys.modules[module_name]
@@ -99,6 +109,11 @@ def observe(model: torch.nn.Module, record: Callable[[str, DeltaStep], None]) ->
                 original = getattr(module, function)
                 setattr(module, function, _wrapper(original, record))
                 swapped.append((module, function, original))
+        for layer, attributes in bindings:
+            for attribute in attributes:
+                original = layer.__dict__[attribute]
+                layer.__dict__[attribute] = _wrapper(original, record)
+                bound.append((layer, attribute, original))
         for name, layer in layers:
             had_own = "forward" in layer.__dict__
             inner = layer.forward
@@ -119,5 +134,7 @@ def observe(model: torch.nn.Module, record: Callable[[str, DeltaStep], None]) ->
                 layer.forward = inner
             else:
                 del layer.forward
+        for layer, attribute, original in reversed(bound):
+            layer.__dict__[attribute] = original
         for module, function, original in reversed(swapped):
             setattr(module, function, original)
