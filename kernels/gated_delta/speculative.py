@@ -23,8 +23,8 @@ tokens; and the per-draft-state baseline of serving engines.
 
 Baseline: ``_drafts_kernel`` (the conventional kernel's tile and order) updates the state over
 the T drafts in registers and stores the state after every draft into ``intermediate[row, t]``;
-its commit copies ``intermediate[row, accepted − 1]`` into the slot (the Mamba-2 baseline's
-copy kernel, which moves bytes whatever the layer).
+its commit copies ``intermediate[row, accepted − 1]`` into the slot
+(:func:`..common.copy_accepted.launch_copy_accepted`, a byte copy shared with the Mamba-2 baseline).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import functools
 import torch
 
 from ..common import codec, sizes
+from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch
-from ..mamba2.speculative import launch_copy_accepted
 from . import speculative_kernels
 from .conventional import tile_config
 from .speculative_kernels import _commit_cursor_kernel, _commit_fold_kernel, _drafts_kernel, _verify_kernel

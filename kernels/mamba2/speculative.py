@@ -30,7 +30,8 @@ its ``slot_flags`` bit ``SLOT_BAD_CURSOR`` (so does the verify, whose row then o
 
 Baseline: ``_drafts_kernel`` updates the state over the T tokens in registers and stores the
 state after every token into ``intermediate[row, t]`` (T state writes per row);
-``_copy_accepted_kernel`` copies ``intermediate[row, accepted − 1]`` into the slot.
+the commit copies ``intermediate[row, accepted − 1]`` into the slot
+(:func:`..common.copy_accepted.launch_copy_accepted`, shared with the gated delta baseline).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from ..common import codec, exact_dot, gpu, sizes
 from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
 from .conventional import tile_config
-from .speculative_kernels import (_commit_kernel, _copy_accepted_kernel, _drafts_kernel, _group_BC_kernel,
-                                  _verify_flush_kernel, _verify_flushed_rows_kernel, _verify_kernel)
+from .speculative_kernels import (_commit_kernel, _drafts_kernel, _group_BC_kernel, _verify_flush_kernel,
+                                  _verify_flushed_rows_kernel, _verify_kernel)
 
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
 ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
@@ -81,7 +82,6 @@ _launch_verify_flush = CompiledLaunch(_verify_flush_kernel)
 _launch_flushed_rows = CompiledLaunch(_verify_flushed_rows_kernel)
 _launch_commit = CompiledLaunch(_commit_kernel)
 _launch_drafts = CompiledLaunch(_drafts_kernel)
-_launch_copy_accepted = CompiledLaunch(_copy_accepted_kernel)
 
 
 def _strides(x, dt, B, C, z, out):
@@ -297,23 +297,3 @@ def launch_drafts(
         dt_bias if dt_bias is not None else dummy, slot_indices if slot_indices is not None else dummy, out,
         *_strides(x, dt, B, C, z, out), state.shape[0], nheads, headdim, dstate, nheads // ngroups),
         constexprs, x.is_cuda)
-
-
-@functools.lru_cache(maxsize=1024)
-def _copy_plan(t_max, has_slots, block) -> dict:
-    """Constexprs of a copy of accepted states."""
-    return dict(T_MAX=t_max, HAS_SLOTS=has_slots, BLOCK=block, num_warps=4)
-
-
-def launch_copy_accepted(src, dst, num_accepted, slot_indices, *, block: int = 4096):
-    """Copy ``src[row, accepted − 1]`` (``src (batch, T_max, ...)``) into ``dst[slot]``
-    (``dst (slots, ...)``), bit for bit, for the rows with ``accepted > 0``."""
-    batch, t_max = src.shape[0], src.shape[1]
-    per_slot = dst[0].numel()
-    if dst.element_size() < 4 and dst.shape[-1] * dst.element_size() % 4 == 0:
-        # Move whole 32-bit words: the copy is bit for bit anyway.
-        src, dst = src.view(torch.int32), dst.view(torch.int32)
-        per_slot = dst[0].numel()
-    _launch_copy_accepted((sizes.cdiv(per_slot, block), batch), (
-        src, dst, num_accepted, slot_indices if slot_indices is not None else num_accepted, per_slot, dst.shape[0]),
-        _copy_plan(t_max, slot_indices is not None, block), dst.is_cuda)

@@ -1,7 +1,7 @@
 """Speculative decoding kernels: the verify's four (``_group_BC_kernel``, ``_verify_kernel``,
 ``_verify_flush_kernel``, ``_verify_flushed_rows_kernel``), the commit's, and the per-draft-state
-baseline's (``_drafts_kernel``, ``_copy_accepted_kernel``). Launched by :mod:`.speculative`,
-whose docstring says what each does."""
+baseline's (``_drafts_kernel``; its commit is ``kernels/common/copy_accepted.py``). Launched by
+:mod:`.speculative`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
@@ -388,19 +388,3 @@ def _drafts_kernel(
             # The next token starts from the stored state, as T conventional steps would.
             state = store_state(state, mask, inter_ptr, inter_scale_ptr, 0, b * T_MAX + i, h, rows, cols,
                                 nheads, headdim, dstate, DTYPE, GRAN, False, QMAX, EMAX, HW, BLOCK_P, BLOCK_N)
-
-
-@triton.jit
-def _copy_accepted_kernel(src_ptr, dst_ptr, accepted_ptr, slot_ptr, per_slot, num_slots,
-                          T_MAX: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(1)
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
-    accepted = tl.load(accepted_ptr + b).to(tl.int64)
-    if (slot >= 0) & (slot < num_slots) & (accepted > 0) & (accepted <= T_MAX):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < per_slot
-        source = (b.to(tl.int64) * T_MAX + accepted - 1) * per_slot
-        tl.store(dst_ptr + slot * per_slot + offsets, tl.load(src_ptr + source + offsets, mask=inside), mask=inside)

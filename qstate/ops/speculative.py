@@ -89,7 +89,7 @@ _drafts_op = mutating_op("qstate::selective_state_update_drafts", _drafts_impl,
 def _commit_drafts_impl(state: torch.Tensor, state_scale: Optional[torch.Tensor], intermediate: torch.Tensor,
                         intermediate_scale: Optional[torch.Tensor], num_accepted: torch.Tensor,
                         slot_indices: Optional[torch.Tensor]) -> None:
-    from ..kernels.mamba2.speculative import launch_copy_accepted
+    from ..kernels.common.copy_accepted import launch_copy_accepted
 
     launch_copy_accepted(intermediate, state, num_accepted, slot_indices)
     if state_scale is not None:
