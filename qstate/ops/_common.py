@@ -242,3 +242,35 @@ def resolve_seed(seed, stochastic: bool, device):
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
     return seed, None
+
+
+def check_commit_counts(drafts: torch.Tensor, num_accepted: torch.Tensor, slot_indices: Optional[torch.Tensor],
+                        verify_name: str) -> None:
+    """On CPU tensors: every live row's slot holds drafts of a ``verify_name`` call, and
+    ``0 <= num_accepted <= `` their count (a GPU commit checks the same on the device, no sync)."""
+    slots = torch.arange(num_accepted.shape[0]) if slot_indices is None else slot_indices.long()
+    live = slots >= 0
+    pending = drafts[slots[live]].long()
+    accepted = num_accepted[live].long()
+    if bool((pending == 0).any()):
+        raise ValueError(f"num_accepted: slots {slots[live][pending == 0].tolist()} have no pending {verify_name} "
+                         f"to commit")
+    wrong = (accepted < 0) | (accepted > pending)
+    if bool(wrong.any()):
+        raise ValueError(f"num_accepted: expected values in 0 … T = {pending[wrong].tolist()} (drafts verified), "
+                         f"got {accepted[wrong].tolist()}")
+
+
+def raise_commit_errors(commit_errors: torch.Tensor, no_verify_bit: int, range_bit: int, verify_name: str,
+                        commit_name: str) -> None:
+    """Raise ``ValueError`` for the bits a device-side commit left in ``commit_errors`` (one host
+    sync), and clear them."""
+    bits = int(commit_errors[0])
+    commit_errors.zero_()
+    reasons = []
+    if bits & no_verify_bit:
+        reasons.append(f"a commit on a slot without a pending {verify_name}")
+    if bits & range_bit:
+        reasons.append("num_accepted outside 0 … T")
+    if reasons:
+        raise ValueError(f"{commit_name}: {' and '.join(reasons)}; those rows' slots were left untouched")

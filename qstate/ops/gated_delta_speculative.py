@@ -300,17 +300,7 @@ def gated_delta_replay_commit(cache: GatedDeltaReplayCache, num_accepted: torch.
     if batch == 0:
         return
     if _host_checks(cache.device):
-        slots = torch.arange(batch) if slot_indices is None else slot_indices.long()
-        live = slots >= 0
-        pending = cache.drafts[slots[live]].long()
-        accepted = num_accepted[live].long()
-        if bool((pending == 0).any()):
-            raise ValueError(f"num_accepted: slots {slots[live][pending == 0].tolist()} have no pending "
-                             f"gated_delta_replay_verify to commit")
-        wrong = (accepted < 0) | (accepted > pending)
-        if bool(wrong.any()):
-            raise ValueError(f"num_accepted: expected values in 0 … T = {pending[wrong].tolist()} (drafts verified), "
-                             f"got {accepted[wrong].tolist()}")
+        _common.check_commit_counts(cache.drafts, num_accepted, slot_indices, "gated_delta_replay_verify")
     _commit_op(num_accepted, slot_indices, cache.checkpoint, cache.read, cache.read_scale, cache.ring_k, cache.ring_v,
                cache.ring_g, cache.ring_beta, cache.cursor, cache.drafts, cache.commit_errors, cache.slot_flags,
                *_format_names(cache), cache.max_draft, use_qk_l2norm)
@@ -323,15 +313,8 @@ def gated_delta_replay_check_commits(cache: GatedDeltaReplayCache) -> None:
         raise TypeError(f"cache: expected a qstate.GatedDeltaReplayCache, got {type(cache).__name__}")
     from ..kernels.gated_delta.speculative import ERROR_ACCEPTED_RANGE, ERROR_NO_VERIFY
 
-    bits = int(cache.commit_errors[0])
-    cache.commit_errors.zero_()
-    reasons = []
-    if bits & ERROR_NO_VERIFY:
-        reasons.append("a commit on a slot without a pending gated_delta_replay_verify")
-    if bits & ERROR_ACCEPTED_RANGE:
-        reasons.append("num_accepted outside 0 … T")
-    if reasons:
-        raise ValueError(f"gated_delta_replay_commit: {' and '.join(reasons)}; those rows' slots were left untouched")
+    _common.raise_commit_errors(cache.commit_errors, ERROR_NO_VERIFY, ERROR_ACCEPTED_RANGE,
+                                "gated_delta_replay_verify", "gated_delta_replay_commit")
 
 
 def _baseline_format(state_format, state):

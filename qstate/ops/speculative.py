@@ -248,17 +248,7 @@ def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: 
     if batch == 0:
         return
     if _host_checks(cache.device):
-        slots = torch.arange(batch) if slot_indices is None else slot_indices.long()
-        live = slots >= 0
-        pending = cache.drafts[slots[live]].long()
-        accepted = num_accepted[live].long()
-        if bool((pending == 0).any()):
-            bad = slots[live][pending == 0].tolist()
-            raise ValueError(f"num_accepted: slots {bad} have no pending replay_verify to commit")
-        wrong = (accepted < 0) | (accepted > pending)
-        if bool(wrong.any()):
-            raise ValueError(f"num_accepted: expected values in 0 … T = {pending[wrong].tolist()} (drafts verified), "
-                             f"got {accepted[wrong].tolist()}")
+        _common.check_commit_counts(cache.drafts, num_accepted, slot_indices, "replay_verify")
     _replay_commit_op(num_accepted, slot_indices, cache.cursor, cache.drafts, cache.commit_errors, cache.slot_flags,
                       cache.capacity)
 
@@ -270,15 +260,8 @@ def replay_check_commits(cache: ReplayCache) -> None:
         raise TypeError(f"cache: expected a qstate.ReplayCache, got {type(cache).__name__}")
     from ..kernels.mamba2.speculative import ERROR_ACCEPTED_RANGE, ERROR_NO_VERIFY
 
-    bits = int(cache.commit_errors[0])
-    cache.commit_errors.zero_()
-    reasons = []
-    if bits & ERROR_NO_VERIFY:
-        reasons.append("a commit on a slot without a pending replay_verify")
-    if bits & ERROR_ACCEPTED_RANGE:
-        reasons.append("num_accepted outside 0 … T")
-    if reasons:
-        raise ValueError(f"replay_commit: {' and '.join(reasons)}; those rows' slots were left untouched")
+    _common.raise_commit_errors(cache.commit_errors, ERROR_NO_VERIFY, ERROR_ACCEPTED_RANGE, "replay_verify",
+                                "replay_commit")
 
 
 def selective_state_update_drafts(
