@@ -21,7 +21,6 @@ seen (every step is checked); its numbers are then NaN and its summary row says 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -73,17 +72,6 @@ def _input_chunks(profile, steps, batch, heads, seed, inputs):
         else:
             part = dataclasses.replace(part, A=first.A, D=first.D, dt_bias=first.dt_bias, heads=first.heads)
         yield part
-
-
-def _prefetched(chunks):
-    """The items of the iterator ``chunks``, each next one made on a worker thread while the caller
-    works on the current one (sampling a chunk is serial, about a quarter of a single-scheme run).
-    Chunks are independent draws (their own seeds), so the values are those of the plain loop."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(next, chunks, None)
-        while (chunk := pending.result()) is not None:
-            pending = pool.submit(next, chunks, None)
-            yield chunk
 
 
 def _recorded_steps(steps: int, every: int) -> list[int]:
@@ -240,7 +228,7 @@ def simulate(
     bar = _progress(steps, progress)
     start_time = time.perf_counter()
     t = 0
-    for chunk in _prefetched(_input_chunks(profile, steps, batch, head_list, seed, inputs)):
+    for chunk in _input_chunks(profile, steps, batch, head_list, seed, inputs):
         if exact is None:
             if decay is None:
                 decay = chunk.decay()
