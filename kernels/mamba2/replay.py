@@ -19,7 +19,7 @@ fp32) and writes the output, the new checkpoint and the read copy.
 It also advances every row's cursor, and the last program to finish clears the list, so the
 next step starts clean without the host looking.
 
-Single-launch step kernel (``launch_replay_decode(fused=True)``; by default below
+Single-launch step kernel (``launch_replay_decode(fused=True)``; by default on a GPU below
 ``FUSED_BELOW_BATCH`` rows), grid ``(nheads × P-tiles, batch)`` at the flush kernel's tile: the
 per-head step kernel whose flushing rows' programs also do the flush kernel's work for their
 tile, so a step is one launch and normal rows never wait for a second kernel. The last program
@@ -149,7 +149,8 @@ def _plan(batch, nheads, headdim, dstate, ngroups, L, device, state_bytes, check
         RD_EMAX=codec.emax(read_format) if has_read else 0,
     )
     if fused is None:
-        fused = batch < FUSED_BELOW_BATCH
+        # A GPU timing choice; the interpreter keeps two launches (the single launch equals them bit for bit).
+        fused = device.type == "cuda" and batch < FUSED_BELOW_BATCH
     if fused:
         # The flush kernel's tile, so that a flushing program folds exactly as the flush kernel does.
         block_p = step_block_p or flush_block_p
@@ -212,7 +213,7 @@ def launch_replay_decode(
     head per program; k ≥ 1: the grouped kernel with the largest divisor of the heads per group
     that is ≤ k). ``step_block_p`` / ``step_warps`` / ``step_stages`` override the step
     kernel's tile height, warps and (grouped) head-loop pipeline stages (tuning). ``fused``: the
-    single-launch step kernel (None: below ``FUSED_BELOW_BATCH`` rows; it ignores
+    single-launch step kernel (None: on a GPU below ``FUSED_BELOW_BATCH`` rows; it ignores
     ``heads_per_program``). ``agree`` / ``fp_fusion``: the module docstring's candidates against
     racecheck's reports."""
     on_gpu = x.is_cuda
