@@ -1,4 +1,4 @@
-"""Gated delta rule decode on the GPU (GDN and KDA; issue 37), in the shared harness
+"""Gated delta rule decode on the GPU (GDN and KDA), in the shared harness
 (``python3 -m bench.run_gpu --groups gated_delta``): checks of both ops against the fp64
 references, then timing with the peer (fla's decode kernels, fp32 state) in the same run.
 

@@ -1,4 +1,4 @@
-"""Speculative decoding on gated delta rule layers on the GPU (issue 38), in the shared harness
+"""Speculative decoding on gated delta rule layers on the GPU, in the shared harness
 (``python3 -m bench.run_gpu --groups gated_delta_speculative``): checks against the fp64
 references, then verify + commit of T drafts per row on replay state against the
 per-draft-state baseline in the same run.

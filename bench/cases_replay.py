@@ -1,8 +1,8 @@
-"""Replay decode on the GPU (issue 5), in the shared harness (``python3 -m bench.run_gpu``): a
+"""Replay decode on the GPU, in the shared harness (``python3 -m bench.run_gpu``): a
 check of every step kernel against the fp64 reference, then timing in the same run as the
 conventional kernel, with the ratio to its fp32 case at the same batch (``annotate``).
 
-Headline (issue 39): staggered cursors, then aligned, at batches 1, 16, 64 and 256, fp32
+Headline: staggered cursors, then aligned, at batches 1, 16, 64 and 256, fp32
 checkpoint with and without the fp8 read copy, for what ``replay_decode`` runs (``/default``)
 and the single-launch step kernel (``/fused``), with the conventional fp32 kernel timed in the
 same group as the yardstick (``replay/b{batch}/conventional-fp32``); ``annotate`` reports each
@@ -319,7 +319,7 @@ def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, devi
         set_bytes=int(probe.nbytes * batch))
 
 
-# Issue 39's targets (vLLM's ReplaySSM kernel measured on the H200 beside the project's kernels):
+# Targets from vLLM's ReplaySSM kernel, measured on the H200 beside the project's kernels:
 # (read copy, batch, pattern) → the most µs a step may take and / or the least speed-up over the
 # conventional fp32 kernel timed in the same run (the peer's over its own conventional kernel).
 TARGETS = {

@@ -1,4 +1,4 @@
-"""Speculative decoding on the GPU (issue 6): verify + commit of T = 4 drafts per row on replay
+"""Speculative decoding on the GPU: verify + commit of T = 4 drafts per row on replay
 state against the per-draft-state baseline, Nemotron-H-8B layer, batch 1, 16, 64 and 256, with
 staggered cursors (the headline) and aligned ones; ``annotate`` reports each round's speed-up
 over the baseline in the same run and checks ``TARGETS``.
@@ -269,7 +269,7 @@ def eager_overhead(device, layer=LAYER):
 
 
 # The least speed-up of a replay round over the per-draft-state baseline timed in the same run:
-# (read copy, batch, pattern) → x (the fp8 read copy's round at 5×, issue 35).
+# (read copy, batch, pattern) → x (the fp8 read copy's round at 5×).
 TARGETS = {("fp8_e4m3:row", 256, "staggered"): dict(x=5.0)}
 
 
