@@ -46,7 +46,7 @@ import torch
 
 from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
-from .replay_kernels import _advance_cursors_kernel, _replay_step_kernel, _replay_stream_kernel
+from .replay_kernels import _advance_cursors_kernel, _replay_flush_kernel, _replay_step_kernel, _replay_stream_kernel
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
 # and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
@@ -65,6 +65,10 @@ STREAM_WARPS = 4
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
+# Rows of V per flush program at K = 128, and its warps: the fold's matrix products want a wide
+# tile; only rows whose ring fills do work.
+FLUSH_ROWS = 32
+FLUSH_WARPS = 4
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -74,6 +78,7 @@ BLOCK_R = 256
 _step = CompiledLaunch(_replay_step_kernel)
 _advance = CompiledLaunch(_advance_cursors_kernel)
 _stream = CompiledLaunch(_replay_stream_kernel)
+_flush = CompiledLaunch(_replay_flush_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -93,10 +98,20 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
             block_v //= 2
     else:
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
-    step = dict(L=ring_len, RING_PAD=sizes.next_power_of_2(ring_len), CK_DTYPE=ck_code, HAS_READ=has_read, RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax,
-                RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm,
-                HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH,
-                SPLIT=split, num_warps=warps)
+    hw = codec.hardware_casts(device)
+    step = dict(L=ring_len, RING_PAD=sizes.next_power_of_2(ring_len), CK_DTYPE=ck_code, HAS_READ=has_read,
+                RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
+                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
+                num_warps=warps)
+    flush_v, flush_warps = whole, 4
+    if device.type == "cuda":
+        flush_v, flush_warps = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FLUSH_WARPS
+    elif INTERPRETER_SPLIT is not None:
+        flush_v = INTERPRETER_SPLIT[0]
+    flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
+                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
+                 CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
+                 BLOCK_K=block_k, num_warps=flush_warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     stream_grid = stream = None
     if split:
@@ -111,8 +126,8 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
         stream = dict(L=ring_len, RING_PAD=step["RING_PAD"], BASE_DTYPE=rd_code if has_read else ck_code,
                       BASE_GRAN=rd_gran if has_read else 0, HW=step["HW"], HAS_SLOTS=has_slots, OUT_BF16=out_bf16,
                       BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(batch, BLOCK_R),), advance,
-            stream_grid, stream)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
+            flush, (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool,
@@ -128,7 +143,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
     has_read = rd_fmt is not None
     out_bf16 = out.dtype == torch.bfloat16
     split = SPLIT if split is None else bool(split)
-    grid, step, advance_grid, advance, stream_grid, stream = _plan(
+    grid, step, flush_grid, flush, advance_grid, advance, stream_grid, stream = _plan(
         K, V, num_v_heads, batch, cache.device, cache.ring_len, codec.dtype_code(ck_fmt), codec.qmax(ck_fmt),
         has_read, codec.dtype_code(rd_fmt) if has_read else 0, codec.granularity_code(rd_fmt) if has_read else 0,
         codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
@@ -147,6 +162,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
+    _flush(flush_grid, args[:16] + args[17:], flush, on_gpu)
     if split:
         _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
                               scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),

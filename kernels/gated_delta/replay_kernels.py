@@ -1,14 +1,14 @@
-"""Replay decode kernels of the gated delta rule: the step kernel (outputs, ring appends and
-flushes; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the
-stream kernel of the split variant (normal rows' outputs from that scratch) and the cursor
-kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
+"""Replay decode kernels of the gated delta rule: the step kernel (normal rows' outputs and ring
+appends; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the flush
+kernel (rows whose ring fills), the stream kernel of the split variant (normal rows' outputs from
+that scratch) and the cursor kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, ring_token
+from .ring import fold_operands, fold_rows, ring_token
 
 
 @triton.jit
@@ -41,10 +41,9 @@ def _replay_step_kernel(
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
-    RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
-    CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
+    L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,82 +97,133 @@ def _replay_step_kernel(
             if h % heads_per_group == 0:
                 tl.store(ring_k + n * K + cols, k_raw.to(ring_k_ptr.dtype.element_ty), mask=cols < K)
         head = ring_head * V * K
-        if n == L - 1:
-            # The ring is full: fold it into the checkpoint in fp32, token by token from the
-            # checkpoint itself; the output is that of the new, unrounded state.
-            for chunk in range(V_LOOP):
-                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
-                row_mask = rows < V
-                v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
-                tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-                S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
-                                   BLOCK_K)
-                for j in range(0, L - 1):
-                    kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-                    vj = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
-                    S = apply_token(S, kj, vj, aj, bj, CHANNEL)
-                S = apply_token(S, k, v_raw.to(tl.float32), alpha, beta, CHANNEL)
-                o = tl.sum(S * q[None, :], axis=1)
-                # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
-                flag_nonfinite(flags_ptr, slot, o, row_mask)
-                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
-                stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
-                                         0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
-                if HAS_READ:
-                    tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
-                                    1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
-        elif SPLIT:
-            # The split variant: T and each token's c go to the scratch (c by ring position, the
-            # current token's at n) for the stream kernel, which also appends v.
-            if v_part == 0:
-                T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
-                                          CHANNEL, RING_PAD)
-                scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
-                ring_slots = tl.arange(0, RING_PAD)
-                tl.store(scratch + cols, T)
-                tl.store(scratch + BLOCK_K + n - 1 - ring_slots, c_ring, mask=ring_slots < n)
-                tl.store(scratch + BLOCK_K + n, c_now)
-        else:
-            # The adjoint sweep, once per program: the query is carried back through the ring,
-            # newest first (unrolled and masked past the cursor, so every ring load issues up
-            # front), giving T and each token's coefficient c; each chunk of V then meets it
-            # with o = c·v summed over the ring plus the read copy's (or checkpoint's) rows · T.
-            if HAS_READ:
-                base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
-                BASE_DTYPE: tl.constexpr = RD_DTYPE
-                BASE_GRAN: tl.constexpr = RD_GRAN
+        # A flushing row (n = L − 1) is the flush kernel's.
+        if n < L - 1:
+            if SPLIT:
+                # The split variant: T and each token's c go to the scratch (c by ring position, the
+                # current token's at n) for the stream kernel, which also appends v.
+                if v_part == 0:
+                    T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
+                                              CHANNEL, RING_PAD)
+                    scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
+                    ring_slots = tl.arange(0, RING_PAD)
+                    tl.store(scratch + cols, T)
+                    tl.store(scratch + BLOCK_K + n - 1 - ring_slots, c_ring, mask=ring_slots < n)
+                    tl.store(scratch + BLOCK_K + n, c_now)
             else:
-                base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
-                BASE_DTYPE: tl.constexpr = CK_DTYPE
-                BASE_GRAN: tl.constexpr = 0
-            # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
-            # runs, and each chunk loads the next one's before its own sums.
-            rows = v_part * V_LOOP * BLOCK_V + lanes
-            codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
-                                         base_scale_ptr, BASE_GRAN, BLOCK_K)
-            T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                                      RING_PAD)
-            ring_slots = tl.arange(0, RING_PAD)
-            newest_first = n - 1 - ring_slots
-            for chunk in range(V_LOOP):
-                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
-                row_mask = rows < V
-                if not PREFETCH:
-                    codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
-                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
-                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-                if PREFETCH and chunk + 1 < V_LOOP:
-                    next_rows = rows + BLOCK_V
-                    codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
-                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
-                v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
-                tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-                ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
-                                  mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
-                o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
-                o = o + tl.sum(base * T[None, :], axis=1)
-                flag_nonfinite(flags_ptr, slot, o, row_mask)
-                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
+                # The adjoint sweep, once per program: the query is carried back through the ring,
+                # newest first (unrolled and masked past the cursor, so every ring load issues up
+                # front), giving T and each token's coefficient c; each chunk of V then meets it
+                # with o = c·v summed over the ring plus the read copy's (or checkpoint's) rows · T.
+                if HAS_READ:
+                    base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
+                    BASE_DTYPE: tl.constexpr = RD_DTYPE
+                    BASE_GRAN: tl.constexpr = RD_GRAN
+                else:
+                    base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
+                    BASE_DTYPE: tl.constexpr = CK_DTYPE
+                    BASE_GRAN: tl.constexpr = 0
+                # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
+                # runs, and each chunk loads the next one's before its own sums.
+                rows = v_part * V_LOOP * BLOCK_V + lanes
+                codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
+                                             base_scale_ptr, BASE_GRAN, BLOCK_K)
+                T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                                          RING_PAD)
+                ring_slots = tl.arange(0, RING_PAD)
+                newest_first = n - 1 - ring_slots
+                for chunk in range(V_LOOP):
+                    rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+                    row_mask = rows < V
+                    if not PREFETCH:
+                        codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
+                                                     base_scale_ptr, BASE_GRAN, BLOCK_K)
+                    base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                    if PREFETCH and chunk + 1 < V_LOOP:
+                        next_rows = rows + BLOCK_V
+                        codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
+                                                     base_scale_ptr, BASE_GRAN, BLOCK_K)
+                    v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
+                    tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+                    ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
+                                      mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
+                    o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
+                    o = o + tl.sum(base * T[None, :], axis=1)
+                    flag_nonfinite(flags_ptr, slot, o, row_mask)
+                    tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
+
+
+@triton.jit
+def _replay_flush_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
+    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
+    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
+    s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+    L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
+    RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
+    CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
+    folded into ``BLOCK_V`` rows of the checkpoint in fp32, from the checkpoint itself, in matrix
+    form (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and
+    the read copy rebuilt from it. Every other row returns at once (the step kernel's)."""
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+    if in_cache & (n == L - 1):
+        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_mask = rows < V
+        cols = tl.arange(0, BLOCK_K)
+        col_mask = cols < K
+        pos = tl.arange(0, M)
+        in_ring = pos < L - 1
+        now = pos == L - 1
+        hk = h // heads_per_group
+        ring_head = slot * num_v_heads + h
+        ring_v = ring_v_ptr + ring_head * L * V
+        # The tokens oldest first: the ring's L − 1, then the current one (as given, unrounded).
+        k_now = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=col_mask, other=0.0).to(tl.float32)
+        keys = tl.load(ring_k_ptr + (slot * num_k_heads + hk) * L * K + pos[:, None] * K + cols[None, :],
+                       mask=in_ring[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+        keys = tl.where(now[:, None], k_now[None, :], keys)
+        g_row = g_ptr + b * s_g_batch + h * s_g_head
+        if CHANNEL:
+            g_now = tl.load(g_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            g = tl.load(ring_g_ptr + ring_head * L * K + pos[:, None] * K + cols[None, :],
+                        mask=in_ring[:, None] & col_mask[None, :], other=0.0)
+            g = tl.where(now[:, None], g_now[None, :], g)
+        else:
+            g = tl.where(now, tl.load(g_row).to(tl.float32),
+                         tl.load(ring_g_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
+        beta_now = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
+        beta = tl.where(now, beta_now, tl.load(ring_beta_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
+        v_now = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
+        tl.store(ring_v + (L - 1) * V + rows, v_now.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+        values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
+                         other=0.0).to(tl.float32)  # [BLOCK_V, M]
+        values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
+        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M)
+        head = ring_head * V * K
+        S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
+        S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL)
+        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
+        o = tl.sum(S * q[None, :], axis=1)
+        # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
+        flag_nonfinite(flags_ptr, slot, o, row_mask)
+        tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
+        stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
+                                 0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+        if HAS_READ:
+            tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
+                            1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
 
 
 @triton.jit

@@ -27,3 +27,72 @@ def apply_token(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
     S = tile.apply_decay(S, alpha, CHANNEL)
     d = beta * (v - tl.sum(S * k[None, :], axis=1))
     return S + d[:, None] * k[None, :]
+
+
+@triton.jit
+def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
+                  M: tl.constexpr):
+    """What folding ``count`` tokens into a state takes, for every row of one head: the tokens
+    (oldest first, ``M ≥ count`` positions, zero past ``count``) are raw keys ``[M, BLOCK_K]``,
+    log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``. With ``Γ_j = Σ_{i≤j} g_i``
+    (the decay from the state to token j), it returns ``(key_in, key_out, inverse, beta, decay)``:
+    ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j e^{Γ_last − Γ_j}``
+    (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with ``B_ji = β_j
+    (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later reads), β
+    zero past ``count``, and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`."""
+    pos = tl.arange(0, M)
+    live = pos < count
+    keys = keys.to(tl.float32)
+    if L2NORM:
+        norm = tl.sqrt_rn(tl.sum(keys * keys, axis=1) + tile.L2_EPS)  # [M]
+        keys = tl.div_rn(keys, norm[:, None] + tl.zeros_like(keys))
+    keys = tl.where(live[:, None], keys, 0.0)
+    beta = tl.where(live, beta, 0.0)
+    before = pos[None, :] < pos[:, None]  # [M, M]: i < j
+    if CHANNEL:
+        g = tl.where(live[:, None] & (cols[None, :] < K), g, 0.0)
+        gamma = tl.cumsum(g, axis=0)  # [M, BLOCK_K]
+        last = tl.sum(tl.where((pos == count - 1)[:, None], gamma, 0.0), axis=0)  # [BLOCK_K]
+        key_in = keys * tl.exp(gamma)
+        key_out = keys * tl.exp(last[None, :] - gamma)
+        # B's columns one token at a time: the decays between two tokens differ per channel.
+        B = tl.zeros([M, M], tl.float32)
+        for i in tl.static_range(M):
+            at_i = (pos == i)[:, None]
+            key_i = tl.sum(tl.where(at_i, keys, 0.0), axis=0)  # [BLOCK_K]
+            gamma_i = tl.sum(tl.where(at_i, gamma, 0.0), axis=0)
+            decays = tl.exp(tl.minimum(gamma - gamma_i[None, :], 0.0))  # exponent ≤ 0 where it counts
+            column = tl.sum(keys * decays * key_i[None, :], axis=1)  # [M]
+            B = tl.where((pos == i)[None, :], column[:, None], B)
+        B = tl.where(before, B, 0.0)
+        decay = tl.exp(last)
+    else:
+        g = tl.where(live, g, 0.0)
+        gamma = tl.cumsum(g, axis=0)  # [M]
+        last = tl.sum(tl.where(pos == count - 1, gamma, 0.0), axis=0)
+        key_in = keys * tl.exp(gamma)[:, None]
+        key_out = keys * tl.exp(last - gamma)[:, None]
+        gram = tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [M, M]
+        B = tl.where(before, gram * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        decay = tl.exp(last)
+    B = beta[:, None] * B
+    # Forward substitution: row j of (I + B)⁻¹ is e_j − Σ_{i<j} B_ji (row i of it).
+    identity = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
+    inverse = identity
+    for j in tl.static_range(1, M):
+        b_j = tl.sum(tl.where((pos == j)[:, None], B, 0.0), axis=0)  # [M]: B_ji over i
+        row = -tl.sum(b_j[:, None] * inverse, axis=0)
+        inverse = tl.where((pos == j)[:, None], row[None, :] + identity, inverse)
+    return key_in, key_out, inverse, beta, decay
+
+
+@triton.jit
+def fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL: tl.constexpr):
+    """The state rows ``S [BLOCK_V, BLOCK_K]`` after the tokens of :func:`fold_operands`
+    (``values [BLOCK_V, M]``: each token's v over these rows), in fp32 and in matrix form: the
+    reads ``W = S key_inᵀ``, the corrections ``D = β (values − W) (I + B)⁻ᵀ`` (each token's
+    ``d = β (v − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included), and ``S e^{Γ_last} +
+    D key_out``. The token-by-token fold's result, its fp32 sums in another order."""
+    reads = tl.dot(S, tl.trans(key_in), input_precision="ieee")  # [BLOCK_V, M]
+    corrections = tl.dot(beta[None, :] * (values - reads), tl.trans(inverse), input_precision="ieee")
+    return tile.apply_decay(S, decay, CHANNEL) + tl.dot(corrections, key_out, input_precision="ieee")
