@@ -16,10 +16,18 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
   finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The state is read once, in
   the read copy's format, and nothing but the ring entry is written.
-* ``n = L − 1`` (the row whose ring fills): the flush. It folds the ring and the current token
-  into the checkpoint's tile in fp32, token by token (``S ← S diag(α)``, ``d = β (v − S k̂)``,
-  ``S ← S + d k̂ᵀ``), outputs ``S q̂`` from the unrounded result, stores it in the checkpoint's
-  format and rebuilds the read copy from the stored checkpoint.
+* ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
+  its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
+  returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
+  into the checkpoint's tile in fp32, from the checkpoint itself, in matrix form. With ``Γ_j``
+  the summed log-gates up to token j (per key channel for KDA), the reads
+  ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
+  ``D = β (V_ring − W)(I + B)⁻ᵀ`` (``B_ji = β_j k̂_j·k̂_i e^{Γ_j − Γ_i}`` for ``i < j``: how an
+  earlier correction reaches a later read) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
+  equal the token-by-token fold (``S ← S diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``)
+  up to the order of fp32 sums, in three matrix products instead of ``L`` serial rank-1
+  updates. It appends v, outputs ``S q̂`` from the unrounded result, stores it in the
+  checkpoint's format and rebuilds the read copy from the stored checkpoint.
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
 step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
@@ -84,8 +92,9 @@ _flush = CompiledLaunch(_replay_flush_kernel)
 @functools.lru_cache(maxsize=1024)
 def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read, rd_code, rd_gran, rd_qmax, rd_emax,
           channel, l2norm, has_slots, out_bf16, split):
-    """``(step grid, step constexprs, cursor grid, cursor constexprs, stream grid, stream
-    constexprs)`` of a call's metadata (the last two None without ``split``)."""
+    """``(step grid, step constexprs, flush grid, flush constexprs, cursor grid, cursor
+    constexprs, stream grid, stream constexprs)`` of a call's metadata (the last two None
+    without ``split``)."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     v_loop, warps = 1, 4
@@ -132,10 +141,10 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool,
            split=None) -> None:
-    """Launch the step and cursor kernels on validated arguments: ``cache`` a
+    """Launch the step, flush and cursor kernels on validated arguments: ``cache`` a
     ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
     HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
-    int or None. ``split``: the split variant (the stream kernel between the two, and an fp32
+    int or None. ``split``: the split variant (the stream kernel before the cursor's, and an fp32
     scratch of ``batch · HV · (BLOCK_K + RING_PAD)`` allocated per call); None: ``SPLIT``."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]

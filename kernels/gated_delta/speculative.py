@@ -11,9 +11,11 @@ tokens; and the per-draft-state baseline of serving engines.
   ``q̂_t`` and is carried back through drafts ``t … 0`` and the ring newest first, keeping each
   token's coefficient ``c``; each chunk of V then takes ``o_t = Σ c v + R T_t`` over the read
   copy's rows (the checkpoint's without one), read once for all drafts.
-* ``_commit_fold_kernel``, same grid: a row whose commit brings its committed tokens to
-  ``ring_len`` or more folds them into the checkpoint in fp32 from the stored checkpoint, stores
-  it and rebuilds the read copy. Every other program returns after three loads.
+* ``_commit_fold_kernel``, grid ``(cdiv(V, BLOCK_V'), HV, batch)``: a row whose commit brings
+  its committed tokens to ``ring_len`` or more folds them into ``BLOCK_V'`` rows of the
+  checkpoint in fp32 from the stored checkpoint, in matrix form (the replay flush's: reads
+  ``S K_inᵀ``, corrections through ``(I + B)⁻¹``, one update product), stores it and rebuilds
+  the read copy. Every other program returns after three loads.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
   accepted`` (0 after a fold), ``drafts ← 0``. A row whose slot has no pending drafts, or whose
   ``accepted`` lies outside ``0 … drafts``, leaves the slot untouched and ORs
@@ -50,11 +52,10 @@ VERIFY_WARPS = 1
 VERIFY_V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps.
 PREFETCH = True
-# Commit fold: rows per chunk at K = 128, warps, chunks per program. One chunk per program
-# spreads a fold over all multiprocessors: only the flushing rows' programs work.
-FOLD_TILE_ROWS = 16
-FOLD_WARPS = 1
-FOLD_V_LOOP = 1
+# Commit fold: rows of V per program at K = 128, and warps: the fold's matrix products want a
+# wide tile; only the flushing rows' programs work.
+FOLD_ROWS = 32
+FOLD_WARPS = 4
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
@@ -133,17 +134,22 @@ def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_sc
 
 
 @functools.lru_cache(maxsize=1024)
-def _commit_plan(K, V, num_v_heads, batch, device, ck_fmt, rd_fmt, channel, l2norm, has_slots):
-    block_k, block_v, v_loop = _split(K, V, num_v_heads, batch, device, FOLD_TILE_ROWS, FOLD_V_LOOP)
+def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, channel, l2norm, has_slots):
+    block_k = max(32, sizes.next_power_of_2(K))
+    block_v = sizes.next_power_of_2(V)
+    if device.type == "cuda":
+        block_v = max(16, min(FOLD_ROWS * 128 // block_k, block_v))
+    elif INTERPRETER_SPLIT is not None:
+        block_v = INTERPRETER_SPLIT[0]
     has_read = rd_fmt is not None
-    fold = dict(CK_DTYPE=codec.dtype_code(ck_fmt), CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read,
+    fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt), CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read,
                 RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, num_warps=FOLD_WARPS if device.type == "cuda" else 4)
+                BLOCK_V=block_v, BLOCK_K=block_k, num_warps=FOLD_WARPS if device.type == "cuda" else 4)
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
-    return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
+    return (sizes.cdiv(V, block_v), num_v_heads, batch), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
 
 
 def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
@@ -155,7 +161,7 @@ def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring
     num_slots, num_v_heads, V, K = checkpoint.shape
     capacity = ring_k.shape[2]
     grid, fold, cursor_grid, cursor_constexprs = _commit_plan(
-        K, V, num_v_heads, batch, checkpoint.device, checkpoint_format, read_format, ring_g.dim() == 4,
+        K, V, num_v_heads, batch, capacity, checkpoint.device, checkpoint_format, read_format, ring_g.dim() == 4,
         use_qk_l2norm, slot_indices is not None)
     ck = codec.storage_view(checkpoint, checkpoint_format)
     on_gpu = checkpoint.is_cuda

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, ring_token
+from .ring import apply_token, fold_operands, fold_rows, ring_token
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -186,12 +186,11 @@ def _commit_fold_kernel(
     accepted_ptr, slot_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
     cursor_ptr, drafts_ptr, slot_flags_ptr, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group, ring_len,
     capacity,
-    CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
+    M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
     RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_LOOP: tl.constexpr,
 ):
-    v_part = tl.program_id(0)
+    v_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     slot = _slot_of(slot_ptr, b, HAS_SLOTS)
@@ -201,37 +200,40 @@ def _commit_fold_kernel(
     accepted = tl.load(accepted_ptr + b, mask=live, other=0).to(tl.int32)
     _, flush, _, _, _ = commit_decision(n, pending, accepted, ring_len, capacity)
     if live & flush:
-        # The ring's committed tokens folded into the checkpoint in fp32, token by token from the
-        # checkpoint itself (not the read copy); then the read copy is rebuilt from the stored
-        # checkpoint. The cursor kernel, launched next, moves the cursor to 0.
+        # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
+        # checkpoint in fp32 from the checkpoint itself (not the read copy), in matrix form; then
+        # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
+        # moves the cursor to 0.
         count = n + accepted
-        lanes = tl.arange(0, BLOCK_V)
+        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_mask = rows < V
         cols = tl.arange(0, BLOCK_K)
+        col_mask = cols < K
+        pos = tl.arange(0, M)
+        committed = pos < count
         ring_head = slot * num_v_heads + h
-        if CHANNEL:
-            ring_g = ring_g_ptr + ring_head * capacity * K
-        else:
-            ring_g = ring_g_ptr + ring_head * capacity
-        ring_v = ring_v_ptr + ring_head * capacity * V
-        ring_beta = ring_beta_ptr + ring_head * capacity
         ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
+        keys = tl.load(ring_k + pos[:, None] * K + cols[None, :], mask=committed[:, None] & col_mask[None, :],
+                       other=0.0)  # [M, BLOCK_K]
+        if CHANNEL:
+            g = tl.load(ring_g_ptr + ring_head * capacity * K + pos[:, None] * K + cols[None, :],
+                        mask=committed[:, None] & col_mask[None, :], other=0.0)
+        else:
+            g = tl.load(ring_g_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
+        beta = tl.load(ring_beta_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
+        values = tl.load(ring_v_ptr + ring_head * capacity * V + pos[None, :] * V + rows[:, None],
+                         mask=committed[None, :] & row_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_V, M]
+        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M)
         head = ring_head * V * K
-        for chunk in range(V_LOOP):
-            rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
-            row_mask = rows < V
-            S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
-                               BLOCK_K)
-            for j in range(0, count):
-                kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-                vj = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
-                S = apply_token(S, kj, vj, aj, bj, CHANNEL)
-            # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
-            flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
-            stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
-                                     False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
-            if HAS_READ:
-                tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K, 1,
-                                rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+        S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
+        S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL)
+        # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
+        flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
+        stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
+                                 False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+        if HAS_READ:
+            tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K, 1,
+                            rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
 
 
 @triton.jit
