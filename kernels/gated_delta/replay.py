@@ -64,6 +64,9 @@ V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep
 # (off: the H200 sweep timed the fp8 read copy's step faster without, fewer registers).
 PREFETCH = False
+# Scalar-gate sweeps in Gram form (ring.gram_sweep: one product and an [M] back substitution)
+# instead of one K-length reduction per token.
+GRAM_SWEEP = True
 # The split variant (launch(split=...) when None): the step kernel only sweeps (T, c → scratch) and
 # flushes; a stream kernel of STREAM_ROWS rows (at K = 128) × STREAM_WARPS warps per program then
 # reads the state rows, at the occupancy a bandwidth-bound loop wants.
@@ -108,10 +111,10 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     else:
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
     hw = codec.hardware_casts(device)
-    step = dict(L=ring_len, RING_PAD=sizes.next_power_of_2(ring_len), CK_DTYPE=ck_code, HAS_READ=has_read,
+    step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
-                num_warps=warps)
+                GRAM=GRAM_SWEEP and not channel, num_warps=warps)
     flush_v, flush_warps = whole, 4
     if device.type == "cuda":
         flush_v, flush_warps = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FLUSH_WARPS

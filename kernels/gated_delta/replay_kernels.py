@@ -8,29 +8,34 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import fold_operands, fold_rows, ring_token
+from .ring import fold_operands, fold_rows, gram_sweep, ring_token
 
 
 @triton.jit
-def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
-           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
+def _sweep(q, k, g_row, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr,
+           L2NORM: tl.constexpr, CHANNEL: tl.constexpr, GRAM: tl.constexpr, RING_PAD: tl.constexpr):
     """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
-    the ring's ``n`` tokens, newest first (unrolled and masked past the cursor, so every ring load
-    issues up front). Returns ``T [BLOCK_K]``, the current token's ``c`` and the ring's
-    ``[RING_PAD]`` (newest first)."""
-    T = q
-    c_now = beta * tl.sum(k * T, axis=0)
-    T = alpha * (T - c_now * k)
-    ring_slots = tl.arange(0, RING_PAD)
-    c_ring = tl.zeros([RING_PAD], tl.float32)
-    for i in tl.static_range(L - 1):
-        j = tl.maximum(n - 1 - i, 0)
-        kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-        c = bj * tl.sum(kj * T, axis=0)
-        live = (tl.zeros_like(cols) + i) < n
-        T = tl.where(live, aj * (T - c * kj), T)
-        c_ring = tl.where((ring_slots == i) & (ring_slots < n), c, c_ring)
-    return T, c_now, c_ring
+    the ring's ``n`` tokens, newest first. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]``
+    by ring position (the current token's at ``n``). ``GRAM`` (scalar gates): in Gram form
+    (``ring.gram_sweep``); else token by token, unrolled and masked past the cursor so every
+    ring load issues up front."""
+    if GRAM:
+        T, c = gram_sweep(q, k, tl.load(g_row).to(tl.float32), beta, n, ring_k, ring_g, ring_beta, cols, K,
+                          L2NORM, RING_PAD)
+    else:
+        positions = tl.arange(0, RING_PAD)
+        T = q
+        c_now = beta * tl.sum(k * T, axis=0)
+        T = alpha * (T - c_now * k)
+        c = tl.where(positions == n, c_now, 0.0)
+        for i in tl.static_range(L - 1):
+            j = tl.maximum(n - 1 - i, 0)
+            kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+            c_j = bj * tl.sum(kj * T, axis=0)
+            live = (tl.zeros_like(cols) + i) < n
+            T = tl.where(live, aj * (T - c_j * kj), T)
+            c = tl.where((positions == n - 1 - i) & (i < n), c_j, c)
+    return T, c
 
 
 @triton.jit
@@ -43,7 +48,7 @@ def _replay_step_kernel(
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, GRAM: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -103,18 +108,15 @@ def _replay_step_kernel(
                 # The split variant: T and each token's c go to the scratch (c by ring position, the
                 # current token's at n) for the stream kernel, which also appends v.
                 if v_part == 0:
-                    T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
-                                              CHANNEL, RING_PAD)
+                    T, c = _sweep(q, k, g_row, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
+                                  CHANNEL, GRAM, RING_PAD)
                     scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
-                    ring_slots = tl.arange(0, RING_PAD)
                     tl.store(scratch + cols, T)
-                    tl.store(scratch + BLOCK_K + n - 1 - ring_slots, c_ring, mask=ring_slots < n)
-                    tl.store(scratch + BLOCK_K + n, c_now)
+                    tl.store(scratch + BLOCK_K + tl.arange(0, RING_PAD), c)
             else:
-                # The adjoint sweep, once per program: the query is carried back through the ring,
-                # newest first (unrolled and masked past the cursor, so every ring load issues up
-                # front), giving T and each token's coefficient c; each chunk of V then meets it
-                # with o = c·v summed over the ring plus the read copy's (or checkpoint's) rows · T.
+                # The adjoint sweep, once per program, gives T and each token's coefficient c; each
+                # chunk of V then meets it with o = c·v summed over the ring plus the read copy's
+                # (or checkpoint's) rows · T.
                 if HAS_READ:
                     base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
                     BASE_DTYPE: tl.constexpr = RD_DTYPE
@@ -128,10 +130,10 @@ def _replay_step_kernel(
                 rows = v_part * V_LOOP * BLOCK_V + lanes
                 codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                              base_scale_ptr, BASE_GRAN, BLOCK_K)
-                T, c_now, c_ring = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                                          RING_PAD)
-                ring_slots = tl.arange(0, RING_PAD)
-                newest_first = n - 1 - ring_slots
+                T, c = _sweep(q, k, g_row, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                              GRAM, RING_PAD)
+                positions = tl.arange(0, RING_PAD)
+                c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
                 for chunk in range(V_LOOP):
                     rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
                     row_mask = rows < V
@@ -145,9 +147,9 @@ def _replay_step_kernel(
                                                      base_scale_ptr, BASE_GRAN, BLOCK_K)
                     v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
                     tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-                    ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
-                                      mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0)
-                    o = c_now * v_raw.to(tl.float32) + tl.sum(c_ring[:, None] * ring_vs.to(tl.float32), axis=0)
+                    ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],
+                                      mask=(positions < n)[:, None] & row_mask[None, :], other=0.0)
+                    o = c_now * v_raw.to(tl.float32) + tl.sum(c[:, None] * ring_vs.to(tl.float32), axis=0)
                     o = o + tl.sum(base * T[None, :], axis=1)
                     flag_nonfinite(flags_ptr, slot, o, row_mask)
                     tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
