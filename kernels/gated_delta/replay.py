@@ -14,8 +14,10 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
 
 * ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
-  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The state is read once, in
-  the read copy's format, and nothing but the ring entry is written.
+  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). Scalar gates (``GRAM``)
+  take the sweep in Gram form (``ring.gram_sweep``: the ``c`` from one Gram product and a back
+  substitution); per-channel gates token by token. The state is read once, in the read copy's
+  format, and nothing but the ring entry is written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
   its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
   returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
