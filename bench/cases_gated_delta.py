@@ -371,18 +371,16 @@ CONVENTIONAL_SWEEP = {
 }
 REPLAY_SWEEP = {
     "default": {},
-    "loop1": {"V_LOOP": 1},
-    "loop2": {"V_LOOP": 2},
-    "prefetch": {"PREFETCH": True},
-    "loop8-2w": {"WARPS": 2},
-    "loop1-4w": {"V_LOOP": 1, "WARPS": 4},
-    "rows32-loop4": {"TILE_ROWS": 32, "V_LOOP": 4},
-    # the split variant: sweep kernel as the default step's, then the stream kernel's tiles
-    "split": {"SPLIT": True},
-    "split-s16x2w": {"SPLIT": True, "STREAM_ROWS": 16, "STREAM_WARPS": 2},
-    "split-s64x4w": {"SPLIT": True, "STREAM_ROWS": 64, "STREAM_WARPS": 4},
-    "split-s32x8w": {"SPLIT": True, "STREAM_WARPS": 8},
-    "split-loop2": {"SPLIT": True, "V_LOOP": 2},
+    "fused": {"SPLIT": False},
+    "fused-prefetch": {"SPLIT": False, "PREFETCH": True},
+    "s16x2w": {"STREAM_ROWS": 16, "STREAM_WARPS": 2},
+    "s64x4w": {"STREAM_ROWS": 64},
+    "s32x8w": {"STREAM_WARPS": 8},
+    "flush-ieee": {"FOLD_PRECISION": "ieee"},
+    "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
+    "flush-128x4w": {"FLUSH_WARPS": 4},
+    "flush-group1": {"FLUSH_GROUP": 1},
+    "flush-group64": {"FLUSH_GROUP": 64},
 }
 
 
@@ -420,7 +418,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 44 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 41 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():
@@ -430,7 +428,7 @@ def sweep_cases(device):
     for ck, rd in REPLAY_FORMATS:
         for tag, constants in REPLAY_SWEEP.items():
             out.append(_retagged(replay_case(256, MAIN, ck, rd, device, staggered=True), tag, _REPLAY, constants))
-    for tag in ("default", "loop1", "loop1-4w", "split"):
+    for tag in ("default", "fused", "s16x2w"):
         out.append(_retagged(replay_case(16, MAIN, "fp32", "fp8_e4m3:row", device), tag, _REPLAY, REPLAY_SWEEP[tag]))
     return out
 

@@ -8,33 +8,28 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import fold_operands, fold_rows, gram_sweep, ring_token
+from .ring import fold_operands, fold_rows, ring_token
 
 
 @triton.jit
-def _sweep(q, k, g_row, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr,
-           L2NORM: tl.constexpr, CHANNEL: tl.constexpr, GRAM: tl.constexpr, RING_PAD: tl.constexpr):
+def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
     """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
-    the ring's ``n`` tokens, newest first. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]``
-    by ring position (the current token's at ``n``). ``GRAM`` (scalar gates): in Gram form
-    (``ring.gram_sweep``); else token by token, unrolled and masked past the cursor so every
-    ring load issues up front."""
-    if GRAM:
-        T, c = gram_sweep(q, k, tl.load(g_row).to(tl.float32), beta, n, ring_k, ring_g, ring_beta, cols, K,
-                          L2NORM, RING_PAD)
-    else:
-        positions = tl.arange(0, RING_PAD)
-        T = q
-        c_now = beta * tl.sum(k * T, axis=0)
-        T = alpha * (T - c_now * k)
-        c = tl.where(positions == n, c_now, 0.0)
-        for i in tl.static_range(L - 1):
-            j = tl.maximum(n - 1 - i, 0)
-            kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-            c_j = bj * tl.sum(kj * T, axis=0)
-            live = (tl.zeros_like(cols) + i) < n
-            T = tl.where(live, aj * (T - c_j * kj), T)
-            c = tl.where((positions == n - 1 - i) & (i < n), c_j, c)
+    the ring's ``n`` tokens, newest first, unrolled and masked past the cursor so every ring load
+    issues up front. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
+    (the current token's at ``n``)."""
+    positions = tl.arange(0, RING_PAD)
+    T = q
+    c_now = beta * tl.sum(k * T, axis=0)
+    T = alpha * (T - c_now * k)
+    c = tl.where(positions == n, c_now, 0.0)
+    for i in tl.static_range(L - 1):
+        j = tl.maximum(n - 1 - i, 0)
+        kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+        c_j = bj * tl.sum(kj * T, axis=0)
+        live = (tl.zeros_like(cols) + i) < n
+        T = tl.where(live, aj * (T - c_j * kj), T)
+        c = tl.where((positions == n - 1 - i) & (i < n), c_j, c)
     return T, c
 
 
@@ -48,7 +43,7 @@ def _replay_step_kernel(
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, GRAM: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,8 +103,8 @@ def _replay_step_kernel(
                 # The split variant: T and each token's c go to the scratch (c by ring position, the
                 # current token's at n) for the stream kernel, which also appends v.
                 if v_part == 0:
-                    T, c = _sweep(q, k, g_row, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM,
-                                  CHANNEL, GRAM, RING_PAD)
+                    T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                                  RING_PAD)
                     scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
                     tl.store(scratch + cols, T)
                     tl.store(scratch + BLOCK_K + tl.arange(0, RING_PAD), c)
@@ -130,8 +125,8 @@ def _replay_step_kernel(
                 rows = v_part * V_LOOP * BLOCK_V + lanes
                 codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                              base_scale_ptr, BASE_GRAN, BLOCK_K)
-                T, c = _sweep(q, k, g_row, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                              GRAM, RING_PAD)
+                T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                              RING_PAD)
                 positions = tl.arange(0, RING_PAD)
                 c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
                 for chunk in range(V_LOOP):
@@ -156,76 +151,102 @@ def _replay_step_kernel(
 
 
 @triton.jit
+def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr, read_scale_ptr,
+                ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale, num_k_heads, num_v_heads, K, V,
+                heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
+                s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+                L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
+                RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
+                CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+                OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Batch row ``b`` (slot ``slot``, its ring full): ``BLOCK_V`` rows of value head ``h``
+    folded, output, stored, the read copy rebuilt."""
+    rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < V
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    pos = tl.arange(0, M)
+    in_ring = pos < L - 1
+    now = pos == L - 1
+    hk = h // heads_per_group
+    ring_head = slot * num_v_heads + h
+    ring_v = ring_v_ptr + ring_head * L * V
+    # The tokens oldest first: the ring's L − 1, then the current one (as given, unrounded).
+    k_now = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=col_mask, other=0.0).to(tl.float32)
+    keys = tl.load(ring_k_ptr + (slot * num_k_heads + hk) * L * K + pos[:, None] * K + cols[None, :],
+                   mask=in_ring[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    keys = tl.where(now[:, None], k_now[None, :], keys)
+    g_row = g_ptr + b * s_g_batch + h * s_g_head
+    if CHANNEL:
+        g_now = tl.load(g_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        g = tl.load(ring_g_ptr + ring_head * L * K + pos[:, None] * K + cols[None, :],
+                    mask=in_ring[:, None] & col_mask[None, :], other=0.0)
+        g = tl.where(now[:, None], g_now[None, :], g)
+    else:
+        g = tl.where(now, tl.load(g_row).to(tl.float32), tl.load(ring_g_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
+    beta_now = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
+    beta = tl.where(now, beta_now, tl.load(ring_beta_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
+    v_now = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
+    tl.store(ring_v + (L - 1) * V + rows, v_now.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+    values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
+                     other=0.0).to(tl.float32)  # [BLOCK_V, M]
+    values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
+    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M, PRECISION)
+    head = ring_head * V * K
+    S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
+    S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
+    q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
+    o = tl.sum(S * q[None, :], axis=1)
+    # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
+    flag_nonfinite(flags_ptr, slot, o, row_mask)
+    tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
+    stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
+                             0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+    if HAS_READ:
+        tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
+                        1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+
+
+@triton.jit
 def _replay_flush_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    qk_scale, batch, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
-    folded into ``BLOCK_V`` rows of the checkpoint in fp32, from the checkpoint itself, in matrix
-    form (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and
-    the read copy rebuilt from it. Every other row returns at once (the step kernel's)."""
+    """The flushing rows (cursor ``L − 1``) of ``GROUP`` batch rows: the ring's ``L − 1`` tokens
+    and the current one folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint
+    itself, in matrix form (``ring.fold_rows``); the output of the new, unrounded state; the
+    checkpoint stored and the read copy rebuilt from it. The group's cursors are read at once, so
+    a group without a flushing row costs two loads (the step kernel has its rows)."""
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    lane = tl.arange(0, GROUP)
+    batch_rows = tl.program_id(2) * GROUP + lane
+    in_batch = batch_rows < batch
     if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
+        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
     else:
-        slot = b.to(tl.int64)
-    in_cache = (slot >= 0) & (slot < num_slots)
-    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
-    if in_cache & (n == L - 1):
-        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_mask = rows < V
-        cols = tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        pos = tl.arange(0, M)
-        in_ring = pos < L - 1
-        now = pos == L - 1
-        hk = h // heads_per_group
-        ring_head = slot * num_v_heads + h
-        ring_v = ring_v_ptr + ring_head * L * V
-        # The tokens oldest first: the ring's L − 1, then the current one (as given, unrounded).
-        k_now = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=col_mask, other=0.0).to(tl.float32)
-        keys = tl.load(ring_k_ptr + (slot * num_k_heads + hk) * L * K + pos[:, None] * K + cols[None, :],
-                       mask=in_ring[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        keys = tl.where(now[:, None], k_now[None, :], keys)
-        g_row = g_ptr + b * s_g_batch + h * s_g_head
-        if CHANNEL:
-            g_now = tl.load(g_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            g = tl.load(ring_g_ptr + ring_head * L * K + pos[:, None] * K + cols[None, :],
-                        mask=in_ring[:, None] & col_mask[None, :], other=0.0)
-            g = tl.where(now[:, None], g_now[None, :], g)
-        else:
-            g = tl.where(now, tl.load(g_row).to(tl.float32),
-                         tl.load(ring_g_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
-        beta_now = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
-        beta = tl.where(now, beta_now, tl.load(ring_beta_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
-        v_now = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
-        tl.store(ring_v + (L - 1) * V + rows, v_now.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-        values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
-                         other=0.0).to(tl.float32)  # [BLOCK_V, M]
-        values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
-        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M)
-        head = ring_head * V * K
-        S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
-        S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL)
-        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
-        o = tl.sum(S * q[None, :], axis=1)
-        # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
-        flag_nonfinite(flags_ptr, slot, o, row_mask)
-        tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
-        stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
-                                 0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
-        if HAS_READ:
-            tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
-                            1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+    in_cache = (slots >= 0) & (slots < num_slots)
+    n = tl.load(cursor_ptr + slots, mask=in_cache, other=0)
+    flushing = in_cache & (n == L - 1)
+    for r in range(GROUP):
+        if tl.sum(tl.where(lane == r, flushing, False).to(tl.int32), axis=0) > 0:
+            b = tl.program_id(2) * GROUP + r
+            slot = tl.sum(tl.where(lane == r, slots, 0), axis=0)
+            _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr,
+                        read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
+                        num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
+                        s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch,
+                        s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW,
+                        CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ def apply_token(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
 
 @triton.jit
 def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
-                  M: tl.constexpr):
+                  M: tl.constexpr, PRECISION: tl.constexpr):
     """What folding ``count`` tokens into a state takes, for every row of one head: the tokens
     (oldest first, ``M ≥ count`` positions, zero past ``count``) are raw keys ``[M, BLOCK_K]``,
     log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``. With ``Γ_j = Σ_{i≤j} g_i``
@@ -72,64 +72,29 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
         last = tl.sum(tl.where(pos == count - 1, gamma, 0.0), axis=0)
         key_in = keys * tl.exp(gamma)[:, None]
         key_out = keys * tl.exp(last - gamma)[:, None]
-        gram = tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [M, M]
+        gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [M, M]
         B = tl.where(before, gram * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
         decay = tl.exp(last)
     B = beta[:, None] * B
-    # Forward substitution: row j of (I + B)⁻¹ is e_j − Σ_{i<j} B_ji (row i of it).
     identity = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
-    inverse = identity
-    for j in tl.static_range(1, M):
-        b_j = tl.sum(tl.where((pos == j)[:, None], B, 0.0), axis=0)  # [M]: B_ji over i
-        row = -tl.sum(b_j[:, None] * inverse, axis=0)
-        inverse = tl.where((pos == j)[:, None], row[None, :] + identity, inverse)
+    # B is strictly lower triangular (B^M = 0): (I + B)⁻¹ = Σ_k (−B)^k = Π_s (I + (−B)^(2^s)),
+    # log2(M) small products instead of M dependent substitution steps.
+    power = -B
+    inverse = identity + power
+    for s in tl.static_range(1, 8):
+        if (1 << s) < M:
+            power = tl.dot(power, power, input_precision="ieee")
+            inverse = tl.dot(inverse, identity + power, input_precision="ieee")
     return key_in, key_out, inverse, beta, decay
 
 
 @triton.jit
-def fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL: tl.constexpr):
+def fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
     """The state rows ``S [BLOCK_V, BLOCK_K]`` after the tokens of :func:`fold_operands`
     (``values [BLOCK_V, M]``: each token's v over these rows), in fp32 and in matrix form: the
     reads ``W = S key_inᵀ``, the corrections ``D = β (values − W) (I + B)⁻ᵀ`` (each token's
     ``d = β (v − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included), and ``S e^{Γ_last} +
     D key_out``. The token-by-token fold's result, its fp32 sums in another order."""
-    reads = tl.dot(S, tl.trans(key_in), input_precision="ieee")  # [BLOCK_V, M]
-    corrections = tl.dot(beta[None, :] * (values - reads), tl.trans(inverse), input_precision="ieee")
-    return tile.apply_decay(S, decay, CHANNEL) + tl.dot(corrections, key_out, input_precision="ieee")
-
-
-@triton.jit
-def gram_sweep(q, k, g_now, beta_now, n, ring_k, ring_g, ring_beta, cols, K, L2NORM: tl.constexpr,
-               M: tl.constexpr):
-    """The adjoint sweep of a scalar-gate (GDN) row in Gram form: ``q̂`` carried back through the
-    current token (position ``n``, ``k`` normalized) and the ring's ``n`` tokens, for ``M > n``
-    positions. With ``Γ_p = Σ_{i≤p} g_i``, the coefficients solve ``c_p = β_p (e^{Γ_n − Γ_p}
-    k̂_p·q̂ − Σ_{i>p} e^{Γ_i − Γ_p} (k̂_p·k̂_i) c_i)`` (one Gram product, then an ``[M]``
-    back substitution) and ``T = e^{Γ_n} q̂ − Σ_p c_p e^{Γ_p} k̂_p``: the token-by-token sweep's
-    ``(T [BLOCK_K], c [M])``, ``c`` by ring position, its fp32 sums in another order."""
-    pos = tl.arange(0, M)
-    in_ring = pos < n
-    now = pos == n
-    keys = tl.load(ring_k + pos[:, None] * K + cols[None, :], mask=in_ring[:, None] & (cols < K)[None, :],
-                   other=0.0).to(tl.float32)  # [M, BLOCK_K]
-    if L2NORM:
-        norm = tl.sqrt_rn(tl.sum(keys * keys, axis=1) + tile.L2_EPS)  # [M]
-        keys = tl.div_rn(keys, norm[:, None] + tl.zeros_like(keys))
-    keys = tl.where(now[:, None], k[None, :], keys)
-    g = tl.where(now, g_now, tl.load(ring_g + pos, mask=in_ring, other=0.0))
-    beta = tl.where(now, beta_now, tl.load(ring_beta + pos, mask=in_ring, other=0.0))
-    gamma = tl.cumsum(g, axis=0)  # [M]
-    gamma_n = tl.sum(tl.where(now, gamma, 0.0), axis=0)
-    later = pos[None, :] > pos[:, None]  # [M, M]: column i after row p
-    gram = tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [M, M]
-    reach = tl.where(later, beta[:, None] * gram * tl.exp(tl.where(later, gamma[None, :] - gamma[:, None], 0.0)), 0.0)
-    r = beta * tl.exp(gamma_n - gamma) * tl.sum(keys * q[None, :], axis=1)  # [M]
-    c = tl.zeros([M], tl.float32)
-    # Newest first: c_p is final once every later c has been taken out of r.
-    for i in tl.static_range(M):
-        at = pos == M - 1 - i
-        c_p = tl.sum(tl.where(at, r, 0.0), axis=0)
-        c = tl.where(at, c_p, c)
-        r = r - tl.sum(tl.where(at[None, :], reach, 0.0), axis=1) * c_p
-    T = tl.exp(gamma_n) * q - tl.sum((c * tl.exp(gamma))[:, None] * keys, axis=0)
-    return T, c
+    reads = tl.dot(S, tl.trans(key_in), input_precision=PRECISION)  # [BLOCK_V, M]
+    corrections = tl.dot(beta[None, :] * (values - reads), tl.trans(inverse), input_precision=PRECISION)
+    return tile.apply_decay(S, decay, CHANNEL) + tl.dot(corrections, key_out, input_precision=PRECISION)

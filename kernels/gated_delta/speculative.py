@@ -56,6 +56,8 @@ PREFETCH = True
 # wide tile; only the flushing rows' programs work.
 FOLD_ROWS = 32
 FOLD_WARPS = 4
+# The fold's matrix products on the GPU ("ieee": fp32 FMAs; "tf32x3": tensor cores, three TF32 products).
+FOLD_PRECISION = "ieee"
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
@@ -147,7 +149,8 @@ def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, cha
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                BLOCK_V=block_v, BLOCK_K=block_k, num_warps=FOLD_WARPS if device.type == "cuda" else 4)
+                BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=FOLD_PRECISION if device.type == "cuda" else "ieee",
+                num_warps=FOLD_WARPS if device.type == "cuda" else 4)
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (sizes.cdiv(V, block_v), num_v_heads, batch), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
 

@@ -189,6 +189,7 @@ def _commit_fold_kernel(
     M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
     RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -223,10 +224,11 @@ def _commit_fold_kernel(
         beta = tl.load(ring_beta_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
         values = tl.load(ring_v_ptr + ring_head * capacity * V + pos[None, :] * V + rows[:, None],
                          mask=committed[None, :] & row_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_V, M]
-        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M)
+        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M,
+                                                              PRECISION)
         head = ring_head * V * K
         S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
-        S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL)
+        S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
         # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
         flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
         stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
