@@ -379,8 +379,6 @@ REPLAY_SWEEP = {
     "flush-ieee": {"FOLD_PRECISION": "ieee"},
     "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
     "flush-128x4w": {"FLUSH_WARPS": 4},
-    "flush-group1": {"FLUSH_GROUP": 1},
-    "flush-group64": {"FLUSH_GROUP": 64},
 }
 
 
@@ -418,7 +416,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 41 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 37 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():

@@ -106,7 +106,11 @@ def main(argv=None) -> int:
         print(f"{case.name:55s} {case.params.get('block_p', '')!s:>3} {case.params.get('num_warps', '')!s:>2} "
               f"{us:9.1f} us {gbs:7.0f} GB/s {row['pct_copy']:5.1f} %", flush=True)
     # The clocks may still have been ramping at the first measurement: take the better of two.
-    ceiling_after = harness.copy_ceiling_gbs(device)
+    try:
+        ceiling_after = harness.copy_ceiling_gbs(device)
+    except Exception as err:  # a case that broke the CUDA context must not lose the rows timed before it
+        failures.append(f"copy ceiling after the cases: {type(err).__name__}: {err}")
+        ceiling_after = 0.0
     print(f"copy ceiling after the cases {ceiling_after:.0f} GB/s", flush=True)
     if ceiling_after > ceiling:
         for rows in by_group.values():

@@ -21,3 +21,35 @@ def test_run_gpu_counts_a_case_module_that_does_not_import(monkeypatch):
     modules, failures = run_gpu._load_case_modules()
     assert [m.__name__ for m in modules] == ["bench.cases_exact_dot"]
     assert len(failures) == 1 and "bench.no_such_case_module" in failures[0]
+
+
+def test_run_gpu_writes_the_timed_rows_when_the_ceiling_after_them_fails(monkeypatch, tmp_path):
+    """A case that breaks the CUDA context (an illegal address) makes every later GPU call raise:
+    the rows timed before it are still written, and the run reports the failure."""
+    import torch
+
+    from bench import harness
+
+    case = harness.Case("probe", "probe/one", {}, 1000, lambda: None, lambda buffers: None)
+    ceilings = iter([100.0])
+
+    def ceiling(device):
+        value = next(ceilings, None)
+        if value is None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return value
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
+    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
+    monkeypatch.setattr(harness, "copy_ceiling_gbs", ceiling)
+    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "cases", lambda device, groups: [case])
+    monkeypatch.setattr(harness, "time_case", lambda c: 10.0)
+    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+    assert run_gpu.main(["--out", str(tmp_path), "--skip-checks"]) == 1
+    import json
+
+    payload = json.loads((tmp_path / "probe.json").read_text())
+    assert [r["name"] for r in payload["results"]] == ["probe/one"]
+    assert any("illegal memory access" in f for f in payload["failures"])

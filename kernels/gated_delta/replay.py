@@ -74,12 +74,10 @@ STREAM_WARPS = 4
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
-# Flush programs: rows of V at K = 128, warps, and batch rows whose cursors one program checks
-# (a launch is mostly rows that do not flush); the fold's products run on tensor cores in three
-# TF32 parts ("ieee": fp32 FMAs).
+# Flush programs: rows of V at K = 128 and warps (a whole head computes the fold's operands once);
+# its products on tensor cores in three TF32 parts ("ieee": fp32 FMAs).
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
-FLUSH_GROUP = 16
 FOLD_PRECISION = "tf32x3"
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
@@ -116,16 +114,15 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
                 num_warps=warps)
-    flush_v, flush_warps, group, precision = whole, 4, 2, "ieee"
+    flush_v, flush_warps, precision = whole, 4, "ieee"
     if device.type == "cuda":
-        flush_v, flush_warps = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FLUSH_WARPS
-        group, precision = FLUSH_GROUP, FOLD_PRECISION
+        flush_v, flush_warps, precision = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FLUSH_WARPS, FOLD_PRECISION
     elif INTERPRETER_SPLIT is not None:
         flush_v = INTERPRETER_SPLIT[0]
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, GROUP=group, PRECISION=precision, num_warps=flush_warps)
+                 BLOCK_K=block_k, PRECISION=precision, num_warps=flush_warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     stream_grid = stream = None
     if split:
@@ -140,7 +137,7 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
         stream = dict(L=ring_len, RING_PAD=step["RING_PAD"], BASE_DTYPE=rd_code if has_read else ck_code,
                       BASE_GRAN=rd_gran if has_read else 0, HW=step["HW"], HAS_SLOTS=has_slots, OUT_BF16=out_bf16,
                       BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, sizes.cdiv(batch, group)),
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
             flush, (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
 
 
@@ -176,7 +173,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
-    _flush(flush_grid, args[:16] + (args[17], batch) + args[18:], flush, on_gpu)
+    _flush(flush_grid, args[:16] + args[17:], flush, on_gpu)
     if split:
         _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
                               scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),

@@ -211,42 +211,34 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
 def _replay_flush_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    qk_scale, batch, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """The flushing rows (cursor ``L − 1``) of ``GROUP`` batch rows: the ring's ``L − 1`` tokens
-    and the current one folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint
-    itself, in matrix form (``ring.fold_rows``); the output of the new, unrounded state; the
-    checkpoint stored and the read copy rebuilt from it. The group's cursors are read at once, so
-    a group without a flushing row costs two loads (the step kernel has its rows)."""
+    """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
+    folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
+    (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and the
+    read copy rebuilt from it. Every other row returns after two loads (the step kernel's)."""
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
-    lane = tl.arange(0, GROUP)
-    batch_rows = tl.program_id(2) * GROUP + lane
-    in_batch = batch_rows < batch
+    b = tl.program_id(2)
     if HAS_SLOTS:
-        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
     else:
-        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
-    in_cache = (slots >= 0) & (slots < num_slots)
-    n = tl.load(cursor_ptr + slots, mask=in_cache, other=0)
-    flushing = in_cache & (n == L - 1)
-    for r in range(GROUP):
-        if tl.sum(tl.where(lane == r, flushing, False).to(tl.int32), axis=0) > 0:
-            b = tl.program_id(2) * GROUP + r
-            slot = tl.sum(tl.where(lane == r, slots, 0), axis=0)
-            _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr,
-                        read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
-                        num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
-                        s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch,
-                        s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW,
-                        CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
+        slot = b.to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+    if in_cache & (n == L - 1):
+        _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr, read_scale_ptr,
+                    ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale, num_k_heads, num_v_heads,
+                    K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch,
+                    s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE,
+                    RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
 
 
 @triton.jit
