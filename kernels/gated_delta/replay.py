@@ -14,20 +14,18 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
 
 * ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
-  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). Scalar gates (``GRAM``)
-  take the sweep in Gram form (``ring.gram_sweep``: the ``c`` from one Gram product and a back
-  substitution); per-channel gates token by token. The state is read once, in the read copy's
-  format, and nothing but the ring entry is written.
+  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The state is read once, in
+  the read copy's format, and nothing but the ring entry is written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
   its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
   returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
-  into the checkpoint's tile in fp32, from the checkpoint itself, in matrix form. With ``Γ_j``
-  the summed log-gates up to token j (per key channel for KDA), the reads
-  ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
+  into the checkpoint's tile, from the checkpoint itself, in matrix form (the products in
+  ``FOLD_PRECISION`` on a GPU). With ``Γ_j`` the summed log-gates up to token j (per key
+  channel for KDA), the reads ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
   ``D = β (V_ring − W)(I + B)⁻ᵀ`` (``B_ji = β_j k̂_j·k̂_i e^{Γ_j − Γ_i}`` for ``i < j``: how an
   earlier correction reaches a later read) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
   equal the token-by-token fold (``S ← S diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``)
-  up to the order of fp32 sums, in three matrix products instead of ``L`` serial rank-1
+  up to the order of the sums, in three matrix products instead of ``L`` serial rank-1
   updates. It appends v, outputs ``S q̂`` from the unrounded result, stores it in the
   checkpoint's format and rebuilds the read copy from the stored checkpoint.
 
@@ -36,9 +34,9 @@ step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R
 the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
 A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
-Split variant (``split=True``): the step kernel's normal rows only sweep, and store ``T``
-(``BLOCK_K`` floats) and the coefficients ``c`` (``RING_PAD``, by ring position, the current
-token's at ``n``) per (row, value head) in a scratch buffer; padding, bad cursors and flushes
+Split variant (``split=True``, the default ``SPLIT``): the step kernel's normal rows only
+sweep, and store ``T`` (``BLOCK_K`` floats) and the coefficients ``c`` (``RING_PAD``, by ring
+position, the current token's at ``n``) per (row, value head) in a scratch buffer; padding, bad cursors and flushes
 stay its own. A stream kernel, grid ``(cdiv(V, BLOCK_V'), HV, batch)``, then computes a normal
 row's ``o = Σ_j c_j v_j + R_c T`` over ``BLOCK_V'`` rows and appends v: the state stream no
 longer waits behind the serial sweep nor shares its registers. Deterministic (each value is

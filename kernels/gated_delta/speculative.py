@@ -13,8 +13,8 @@ tokens; and the per-draft-state baseline of serving engines.
   copy's rows (the checkpoint's without one), read once for all drafts.
 * ``_commit_fold_kernel``, grid ``(cdiv(V, BLOCK_V'), HV, batch)``: a row whose commit brings
   its committed tokens to ``ring_len`` or more folds them into ``BLOCK_V'`` rows of the
-  checkpoint in fp32 from the stored checkpoint, in matrix form (the replay flush's: reads
-  ``S K_inᵀ``, corrections through ``(I + B)⁻¹``, one update product), stores it and rebuilds
+  checkpoint from the stored checkpoint, in matrix form (the replay flush's: reads ``S K_inᵀ``,
+  corrections through ``(I + B)⁻¹``, one update product; ``FOLD_PRECISION`` on a GPU), stores it and rebuilds
   the read copy. Every other program returns after three loads.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
   accepted`` (0 after a fold), ``drafts ← 0``. A row whose slot has no pending drafts, or whose
