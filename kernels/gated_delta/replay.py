@@ -114,7 +114,10 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
                 num_warps=warps)
     flush_v, flush_warps, precision = whole, 4, "ieee"
     if device.type == "cuda":
-        flush_v, flush_warps, precision = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FLUSH_WARPS, FOLD_PRECISION
+        flush_v, precision = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FOLD_PRECISION
+        # Warps in proportion to the tile: 64 rows × 128 on 8 warps faulted (illegal address) on an H100.
+        flush_v_elems = flush_v * block_k
+        flush_warps = max(1, min(FLUSH_WARPS, flush_v_elems * FLUSH_WARPS // (FLUSH_ROWS * 128)))
     elif INTERPRETER_SPLIT is not None:
         flush_v = INTERPRETER_SPLIT[0]
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,

@@ -52,10 +52,10 @@ VERIFY_WARPS = 1
 VERIFY_V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps.
 PREFETCH = True
-# Commit fold: rows of V per program at K = 128 and warps (the replay flush's: a whole head computes
-# the fold's operands once); its products on tensor cores in three TF32 parts ("ieee": fp32 FMAs).
-FOLD_ROWS = 128
-FOLD_WARPS = 8
+# Commit fold: rows of V per program at K = 128 and warps (a tile the replay flush passed the GPU
+# checks with); its products on tensor cores in three TF32 parts ("ieee": fp32 FMAs).
+FOLD_ROWS = 32
+FOLD_WARPS = 4
 FOLD_PRECISION = "tf32x3"
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
