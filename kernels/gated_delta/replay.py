@@ -54,6 +54,7 @@ import torch
 
 from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
+from . import tile
 from .replay_kernels import _advance_cursors_kernel, _replay_flush_kernel, _replay_step_kernel, _replay_stream_kernel
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
@@ -112,14 +113,9 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
                 num_warps=warps)
-    flush_v, flush_warps, precision = whole, 4, "ieee"
-    if device.type == "cuda":
-        flush_v, precision = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FOLD_PRECISION
-        # Warps in proportion to the tile: 64 rows × 128 on 8 warps faulted (illegal address) on an H100.
-        flush_v_elems = flush_v * block_k
-        flush_warps = max(1, min(FLUSH_WARPS, flush_v_elems * FLUSH_WARPS // (FLUSH_ROWS * 128)))
-    elif INTERPRETER_SPLIT is not None:
-        flush_v = INTERPRETER_SPLIT[0]
+    flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
+                                                     device.type == "cuda",
+                                                     INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,

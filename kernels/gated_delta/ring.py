@@ -39,7 +39,8 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
     ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j e^{Γ_last − Γ_j}``
     (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with ``B_ji = β_j
     (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later reads), β
-    zero past ``count``, and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`."""
+    zero past ``count``, and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`.
+    ``PRECISION``: the Gram product's ``tl.dot`` input precision."""
     pos = tl.arange(0, M)
     live = pos < count
     keys = keys.to(tl.float32)
@@ -91,10 +92,11 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
 @triton.jit
 def fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
     """The state rows ``S [BLOCK_V, BLOCK_K]`` after the tokens of :func:`fold_operands`
-    (``values [BLOCK_V, M]``: each token's v over these rows), in fp32 and in matrix form: the
+    (``values [BLOCK_V, M]``: each token's v over these rows), in matrix form (products at
+    ``PRECISION``, accumulated in fp32): the
     reads ``W = S key_inᵀ``, the corrections ``D = β (values − W) (I + B)⁻ᵀ`` (each token's
     ``d = β (v − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included), and ``S e^{Γ_last} +
-    D key_out``. The token-by-token fold's result, its fp32 sums in another order."""
+    D key_out``. The token-by-token fold's result, its sums in another order."""
     reads = tl.dot(S, tl.trans(key_in), input_precision=PRECISION)  # [BLOCK_V, M]
     corrections = tl.dot(beta[None, :] * (values - reads), tl.trans(inverse), input_precision=PRECISION)
     return tile.apply_decay(S, decay, CHANNEL) + tl.dot(corrections, key_out, input_precision=PRECISION)

@@ -38,7 +38,7 @@ import torch
 from ..common import codec, sizes
 from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch
-from . import speculative_kernels
+from . import speculative_kernels, tile
 from .conventional import tile_config
 from .speculative_kernels import _commit_cursor_kernel, _commit_fold_kernel, _drafts_kernel, _verify_kernel
 
@@ -137,19 +137,15 @@ def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_sc
 @functools.lru_cache(maxsize=1024)
 def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, channel, l2norm, has_slots):
     block_k = max(32, sizes.next_power_of_2(K))
-    block_v = sizes.next_power_of_2(V)
-    if device.type == "cuda":
-        block_v = max(16, min(FOLD_ROWS * 128 // block_k, block_v))
-    elif INTERPRETER_SPLIT is not None:
-        block_v = INTERPRETER_SPLIT[0]
+    block_v, warps, precision = tile.fold_tile(block_k, V, FOLD_ROWS, FOLD_WARPS, FOLD_PRECISION, device.type == "cuda",
+                                               INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
     has_read = rd_fmt is not None
     fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt), CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read,
                 RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=FOLD_PRECISION if device.type == "cuda" else "ieee",
-                num_warps=FOLD_WARPS if device.type == "cuda" else 4)
+                BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, num_warps=warps)
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (sizes.cdiv(V, block_v), num_v_heads, batch), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
 
