@@ -334,7 +334,7 @@ def fla_case(batch, layer, kernels, device):
                       use_qk_l2norm_in_kernel=True)
 
     return Case("gated_delta", f"gdn/{layer}/b{batch}/fla", dict(model=layer, batch=batch, format="fla fp32",
-                                                                 op="fla", inputs="bf16"), moved, make, run)
+                                                                 op="fla", inputs="bf16"), moved, make, run, peer=True)
 
 
 @register("gated_delta")

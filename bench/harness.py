@@ -46,6 +46,7 @@ class Case:
     run: Callable[[Any], None]
     set_bytes: int = 0  # device bytes of one buffer set (defaults to bytes_moved)
     steps_per_call: int = 1  # op steps one run() makes (a whole flush cycle); µs and bytes_moved are per step
+    peer: bool = False  # another project's kernel: timed after every qstate case, so a fault in it costs no qstate row
 
 
 _BUILDERS: dict[str, list[Callable[[torch.device], list[Case]]]] = {}

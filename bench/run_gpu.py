@@ -91,6 +91,7 @@ def main(argv=None) -> int:
         for module in modules:
             if hasattr(module, "sweep_cases") and args.sweep in module.__name__:
                 all_cases = module.sweep_cases(device) + all_cases
+    all_cases.sort(key=lambda case: case.peer)  # stable: peers last, each list's order kept
     by_group: dict[str, list] = {}
     for case in all_cases:
         try:

@@ -53,3 +53,24 @@ def test_run_gpu_writes_the_timed_rows_when_the_ceiling_after_them_fails(monkeyp
     payload = json.loads((tmp_path / "probe.json").read_text())
     assert [r["name"] for r in payload["results"]] == ["probe/one"]
     assert any("illegal memory access" in f for f in payload["failures"])
+
+
+def test_run_gpu_times_peer_cases_after_every_qstate_case(monkeypatch, tmp_path):
+    """A peer kernel that faults breaks the CUDA context for every later case, so peers go last."""
+    import torch
+
+    from bench import harness
+
+    order = []
+    peer = harness.Case("probe", "probe/peer", {}, 1000, lambda: None, lambda buffers: None, peer=True)
+    ours = [harness.Case("probe", f"probe/ours{i}", {}, 1000, lambda: None, lambda buffers: None) for i in range(2)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
+    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
+    monkeypatch.setattr(harness, "copy_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "cases", lambda device, groups: [ours[0], peer, ours[1]])
+    monkeypatch.setattr(harness, "time_case", lambda c: order.append(c.name) or 10.0)
+    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+    assert run_gpu.main(["--out", str(tmp_path), "--skip-checks"]) == 0
+    assert order == ["probe/ours0", "probe/ours1", "probe/peer"]
