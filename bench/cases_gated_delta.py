@@ -382,7 +382,7 @@ REPLAY_SWEEP = {
 }
 
 
-def _with_constants(module_name, constants, run):
+def with_constants(module_name, constants, run):
     """``run`` with ``module_name``'s constants set for the call (dict constants updated), and the
     launch plans rebuilt on both sides of it."""
     import importlib
@@ -410,7 +410,7 @@ def _retagged(case, tag, module_name, constants):
     case.group = "sweep-gated_delta"
     case.name = f"{case.name}/{tag}"
     case.params = dict(case.params, variant=tag, format=f"{case.params['format']} [{tag}]")
-    case.run = _with_constants(module_name, constants, case.run)
+    case.run = with_constants(module_name, constants, case.run)
     return case
 
 

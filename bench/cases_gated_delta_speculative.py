@@ -29,7 +29,7 @@ import qstate
 from qstate import formats
 from qstate.reference import gated_delta as reference
 
-from .cases_gated_delta import LAYERS, token
+from .cases_gated_delta import LAYERS, token, with_constants
 from .harness import Case, graph_matches_eager, register
 
 GROUP = "gated_delta_speculative"
@@ -262,3 +262,31 @@ def annotate(by_group):
         key = r["name"].split("/replay/")[0]
         if "/replay/" in r["name"] and key in baselines:
             r["params"]["speedup_vs_per_draft_state"] = round(baselines[key] / r["us"], 2)
+
+
+_SPECULATIVE = "qstate.kernels.gated_delta.speculative"
+SWEEP = {
+    "default": {},
+    "fused": {"VERIFY_SPLIT": False},
+    "fused-16x8": {"VERIFY_SPLIT": False, "VERIFY_TILE_ROWS": 16, "VERIFY_V_LOOP": 8},
+    "fused-8x16-noprefetch": {"VERIFY_SPLIT": False, "PREFETCH": False},
+    "s16x2w": {"STREAM_ROWS": 16, "STREAM_WARPS": 2},
+    "s64x4w": {"STREAM_ROWS": 64},
+    "s32x8w": {"STREAM_WARPS": 8},
+    "s32x2w": {"STREAM_WARPS": 2},
+}
+
+
+def sweep_cases(device):
+    """The verify's variants and tiles against the default (``bench.run_gpu --sweep
+    gated_delta_speculative``): the main layer at batch 256, T = 4, both reads."""
+    out = []
+    for read in READS:
+        for tag, constants in SWEEP.items():
+            case = replay_case(256, TIMED_LAYERS[0], 4, read, device)
+            case.group = f"sweep-{GROUP}"
+            case.name = f"{case.name}/{tag}"
+            case.params = dict(case.params, variant=tag, format=f"{case.params['format']} [{tag}]")
+            case.run = with_constants(_SPECULATIVE, constants, case.run)
+            out.append(case)
+    return out

@@ -40,18 +40,25 @@ from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch
 from . import speculative_kernels, tile
 from .conventional import tile_config
-from .speculative_kernels import _commit_cursor_kernel, _commit_fold_kernel, _drafts_kernel, _verify_kernel
+from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _drafts_kernel, _verify_kernel,
+                                  _verify_stream_kernel)
 
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
 ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
 
 # Verify: rows of V per chunk at K = 128, warps, chunks per program (the replay step's tiling:
 # one warp keeps the sweeps' K-sums in shuffles; the sweeps run once per V_LOOP chunks).
-VERIFY_TILE_ROWS = 16
+VERIFY_TILE_ROWS = 8
 VERIFY_WARPS = 1
-VERIFY_V_LOOP = 8
-# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps.
+VERIFY_V_LOOP = 16
+# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
+# (only without VERIFY_SPLIT).
 PREFETCH = True
+# The split verify: one program per (row, head) only sweeps (Q, c → scratch); a stream kernel of
+# STREAM_ROWS rows (at K = 128) × STREAM_WARPS warps then reads the state for all drafts.
+VERIFY_SPLIT = True
+STREAM_ROWS = 32
+STREAM_WARPS = 4
 # Commit fold: the replay flush's tile, each head's operands once (H100, batch 256, T = 4: fold
 # 591 / 628 µs a round against 850 / 1367 at 32 rows on 4 warps); products in three TF32 parts.
 FOLD_ROWS = 128
@@ -67,12 +74,13 @@ _MIN_BLOCK_V = 4
 BLOCK_R = 256
 
 _verify = CompiledLaunch(_verify_kernel)
+_stream = CompiledLaunch(_verify_stream_kernel)
 _fold = CompiledLaunch(_commit_fold_kernel)
 _cursor = CompiledLaunch(_commit_cursor_kernel)
 _drafts = CompiledLaunch(_drafts_kernel)
 
 
-def _split(K, V, heads, batch, device, tile_rows, v_loop):
+def _verify_tiling(K, V, heads, batch, device, tile_rows, v_loop):
     """``(BLOCK_K, BLOCK_V, V_LOOP)`` of a launch over ``(V-parts, heads, batch)``."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
@@ -97,14 +105,38 @@ def _formats(ck_fmt, rd_fmt) -> dict:
 
 @functools.lru_cache(maxsize=1024)
 def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt, rd_fmt, channel, l2norm,
-                 has_slots, out_bf16):
-    block_k, block_v, v_loop = _split(K, V, num_v_heads, batch, device, VERIFY_TILE_ROWS, VERIFY_V_LOOP)
-    constexprs = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=max(2, sizes.next_power_of_2(ring_len - 1)),
-                      BLOCK_T=max(2, sizes.next_power_of_2(T)), **_formats(ck_fmt, rd_fmt),
+                 has_slots, out_bf16, split):
+    """``(sweep grid, sweep constexprs, stream grid, stream constexprs, scratch floats per (row,
+    head))``; the stream's None without ``split``."""
+    on_gpu = device.type == "cuda"
+    if split:
+        block_k, whole = max(32, sizes.next_power_of_2(K)), sizes.next_power_of_2(V)
+        block_v, v_loop = whole, 1
+    else:
+        block_k, block_v, v_loop = _verify_tiling(K, V, num_v_heads, batch, device, VERIFY_TILE_ROWS, VERIFY_V_LOOP)
+    formats = _formats(ck_fmt, rd_fmt)
+    ring_pad, block_t = max(2, sizes.next_power_of_2(ring_len - 1)), max(2, sizes.next_power_of_2(T))
+    constexprs = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=ring_pad, BLOCK_T=block_t, **formats,
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                      OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH,
-                      num_warps=VERIFY_WARPS if device.type == "cuda" else 4)
-    return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), constexprs
+                      OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop,
+                      PREFETCH=PREFETCH and not split, SPLIT=split, num_warps=VERIFY_WARPS if on_gpu else 4)
+    grid = (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch)
+    if not split:
+        return grid, constexprs, None, None, 0
+    stream_v, stream_warps = whole, 4
+    if on_gpu:
+        stream_v, stream_warps = min(max(1, STREAM_ROWS * 128 // block_k), whole), STREAM_WARPS
+        while stream_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, stream_v) < MIN_PROGRAMS:
+            stream_v //= 2
+    elif INTERPRETER_SPLIT is not None:
+        stream_v = INTERPRETER_SPLIT[0]
+    has_read = rd_fmt is not None
+    stream = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=ring_pad, BLOCK_T=block_t,
+                  BASE_DTYPE=formats["RD_DTYPE"] if has_read else formats["CK_DTYPE"],
+                  BASE_GRAN=formats["RD_GRAN"] if has_read else 0, HW=constexprs["HW"], HAS_SLOTS=has_slots,
+                  OUT_BF16=out_bf16, BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
+    return (grid, constexprs, (sizes.cdiv(V, stream_v), num_v_heads, batch), stream,
+            block_t * (block_k + ring_pad + block_t))
 
 
 def _draft_strides(q, k, v, g, beta, out):
@@ -115,23 +147,35 @@ def _draft_strides(q, k, v, g, beta, out):
 
 def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g,
                   ring_beta, cursor, drafts, slot_flags, *, checkpoint_format, read_format, max_draft: int,
-                  qk_scale: float, use_qk_l2norm: bool) -> None:
+                  qk_scale: float, use_qk_l2norm: bool, split=None) -> None:
     """Launch one verify on validated arguments: ``q, k (batch, T, HK, K)``, ``v, out (batch, T,
     HV, V)``, ``g (batch, T, HV[, K])``, ``beta (batch, T, HV)``, unit inner stride; the cache's
-    tensors contiguous (ring of ``ring_len + max_draft`` tokens), ``T ≤ max_draft``."""
+    tensors contiguous (ring of ``ring_len + max_draft`` tokens), ``T ≤ max_draft``. ``split``:
+    the split variant (sweep, then stream kernel, through an fp32 scratch of ``batch · HV ·
+    BLOCK_T · (BLOCK_K + RING_PAD + BLOCK_T)`` allocated per call); None: ``VERIFY_SPLIT``."""
     batch, T, num_v_heads, V = v.shape
     K = k.shape[3]
     capacity = ring_k.shape[2]
     out_bf16 = out.dtype == torch.bfloat16
-    grid, constexprs = _verify_plan(K, V, num_v_heads, batch, T, capacity - max_draft, capacity, v.device,
-                                    checkpoint_format, read_format, g.dim() == 4, use_qk_l2norm,
-                                    slot_indices is not None, out_bf16)
+    split = VERIFY_SPLIT if split is None else bool(split)
+    grid, constexprs, stream_grid, stream, scratch_floats = _verify_plan(
+        K, V, num_v_heads, batch, T, capacity - max_draft, capacity, v.device, checkpoint_format, read_format,
+        g.dim() == 4, use_qk_l2norm, slot_indices is not None, out_bf16, split)
     ck = codec.storage_view(checkpoint, checkpoint_format)
     rd = codec.storage_view(read, read_format) if read is not None else ck
-    _verify(grid, (q, k, v, g, beta, slot_indices, out.view(torch.int16) if out_bf16 else out, ck, rd,
-                   read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, drafts,
-                   slot_flags, float(qk_scale), checkpoint.shape[0], k.shape[2], num_v_heads, K, V,
-                   num_v_heads // k.shape[2], *_draft_strides(q, k, v, g, beta, out)), constexprs, v.is_cuda)
+    rd_scale = read_scale if read_scale is not None else ck
+    out_view = out.view(torch.int16) if out_bf16 else out
+    # Per call, so a CUDA graph captures its own (torch's graph pool) and calls never share one.
+    scratch = torch.empty(batch * num_v_heads * scratch_floats, dtype=torch.float32, device=v.device) if split else ck
+    _verify(grid, (q, k, v, g, beta, slot_indices, out_view, ck, rd, rd_scale, ring_k, ring_v, ring_g, ring_beta,
+                   cursor, drafts, slot_flags, scratch, float(qk_scale), checkpoint.shape[0], k.shape[2],
+                   num_v_heads, K, V, num_v_heads // k.shape[2], *_draft_strides(q, k, v, g, beta, out)),
+            constexprs, v.is_cuda)
+    if split:
+        base = rd if read is not None else ck
+        _stream(stream_grid, (v, slot_indices, out_view, base, rd_scale, ring_v, cursor, slot_flags, scratch,
+                              checkpoint.shape[0], num_v_heads, K, V, *v.stride()[:3], *out.stride()[:3]),
+                stream, v.is_cuda)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,7 +1,7 @@
-"""Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``), the
-commit's two (``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state
-baseline's (``_drafts_kernel``). Launched by :mod:`.speculative`, whose docstring says what each
-does."""
+"""Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``, and
+``_verify_stream_kernel`` in the split variant), the commit's two (``_commit_fold_kernel``,
+``_commit_cursor_kernel``) and the per-draft-state baseline's (``_drafts_kernel``). Launched by
+:mod:`.speculative`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
@@ -49,14 +49,14 @@ def commit_decision(n, pending, accepted, ring_len, capacity):
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, drafts_ptr,
-    slot_flags_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    slot_flags_ptr, scratch_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_b, s_q_t, s_q_h, s_k_b, s_k_t, s_k_h, s_v_b, s_v_t, s_v_h, s_g_b, s_g_t, s_g_h,
     s_beta_b, s_beta_t, s_beta_h, s_out_b, s_out_t, s_out_h,
     L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr, RING_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
     HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -102,10 +102,11 @@ def _verify_kernel(
             base_codes, base_scale, base_scaled = ck_ptr, ck_ptr, 0
             BASE_DTYPE: tl.constexpr = CK_DTYPE
             BASE_GRAN: tl.constexpr = 0
-        # PREFETCH: the first chunk's rows are loaded before the sweeps, so they arrive meanwhile.
-        rows = v_part * V_LOOP * BLOCK_V + lanes
-        codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, (rows < V) & PREFETCH, K, K,
-                                     base_scaled, BASE_GRAN, BLOCK_K)
+        if PREFETCH:
+            # The first chunk's rows are loaded before the sweeps, so they arrive meanwhile.
+            rows = v_part * V_LOOP * BLOCK_V + lanes
+            codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, rows < V, K, K,
+                                         base_scaled, BASE_GRAN, BLOCK_K)
         # The drafts join the ring past the committed tokens (positions n + t; no program of this
         # call reads them there): g and β by the head's first program, k by the key group's.
         if v_part == 0:
@@ -152,33 +153,90 @@ def _verify_kernel(
             used = (tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + i) < n
             Q = tl.where(used, tile.apply_decay(Q - c[:, None] * kj[None, :], aj, CHANNEL), Q)
             c_ring = tl.where((ring_slots[None, :] == i) & (ring_slots[None, :] < n), c[:, None], c_ring)
-        newest_first = n - 1 - ring_slots
-        causal = ts[None, :] <= ts[:, None]  # [chain, draft position]
-        for chunk in range(V_LOOP):
-            rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
-            row_mask = rows < V
-            if not PREFETCH:
-                codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, row_mask, K, K, base_scaled,
-                                             BASE_GRAN, BLOCK_K)
-            base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-            if PREFETCH and chunk + 1 < V_LOOP:
-                next_rows = rows + BLOCK_V
-                codes, scale = tile.load_raw(base_codes + head, base_scale, next_rows, cols, next_rows < V, K, K,
-                                             base_scaled, BASE_GRAN, BLOCK_K)
-            out_tile = is_t[:, None] & row_mask[None, :]
-            v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
-            tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
-                     mask=out_tile)
-            ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
-                              mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
-            o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
-            o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :], 0.0),
-                        axis=1)
-            for t in tl.static_range(T):
-                Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
-                o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
-            flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-            tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
+        if SPLIT:
+            # Q, c_ring and c_draft go to the scratch for _verify_stream_kernel (its docstring).
+            scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_T * (BLOCK_K + RING_PAD + BLOCK_T))
+            tl.store(scratch + ts[:, None] * BLOCK_K + cols[None, :], Q)
+            tl.store(scratch + BLOCK_T * BLOCK_K + ts[:, None] * RING_PAD + ring_slots[None, :], c_ring)
+            tl.store(scratch + BLOCK_T * (BLOCK_K + RING_PAD) + ts[:, None] * BLOCK_T + ts[None, :], c_draft)
+        else:
+            newest_first = n - 1 - ring_slots
+            causal = ts[None, :] <= ts[:, None]  # [chain, draft position]
+            for chunk in range(V_LOOP):
+                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+                row_mask = rows < V
+                if not PREFETCH:
+                    codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, row_mask, K, K,
+                                                 base_scaled, BASE_GRAN, BLOCK_K)
+                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                if PREFETCH and chunk + 1 < V_LOOP:
+                    next_rows = rows + BLOCK_V
+                    codes, scale = tile.load_raw(base_codes + head, base_scale, next_rows, cols, next_rows < V, K, K,
+                                                 base_scaled, BASE_GRAN, BLOCK_K)
+                out_tile = is_t[:, None] & row_mask[None, :]
+                v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
+                tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
+                         mask=out_tile)
+                ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
+                                  mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
+                o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
+                o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
+                                     0.0), axis=1)
+                for t in tl.static_range(T):
+                    Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
+                    o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
+                flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
+                tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
+
+
+@triton.jit
+def _verify_stream_kernel(
+    v_ptr, slot_ptr, out_ptr, base_ptr, base_scale_ptr, ring_v_ptr, cursor_ptr, slot_flags_ptr, scratch_ptr,
+    num_slots, num_v_heads, K, V, s_v_b, s_v_t, s_v_h, s_out_b, s_out_t, s_out_h,
+    L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr, RING_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BASE_DTYPE: tl.constexpr, BASE_GRAN: tl.constexpr, HW: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The split verify's outputs of served rows over ``BLOCK_V`` rows of V: draft t's
+    ``o_t = Σ_i c_ring[t, i] v_{n−1−i} + Σ_{p ≤ t} c_draft[t, p] v_p + R Q_t`` (R: the read copy,
+    or the checkpoint), and the drafts' v appended at ``n … n+T−1``. The scratch of a (row, value
+    head) holds, from ``_verify_kernel``: ``Q [BLOCK_T, BLOCK_K]``, ``c_ring [BLOCK_T, RING_PAD]``
+    (newest first), ``c_draft [BLOCK_T, BLOCK_T]``. Padding and bad cursors are the sweep's."""
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+    live = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=live, other=L)
+    if live & ~cursor_outside(n, L):
+        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols = tl.arange(0, BLOCK_K)
+        row_mask = rows < V
+        ring_head = slot * num_v_heads + h
+        codes, scale = tile.load_raw(base_ptr + ring_head * V * K, base_scale_ptr + ring_head * V, rows, cols,
+                                     row_mask, K, K, 1, BASE_GRAN, BLOCK_K)
+        positions = tl.arange(0, RING_PAD)
+        ring_v = ring_v_ptr + ring_head * CAP * V
+        ring_vs = tl.load(ring_v + (n - 1 - positions)[:, None] * V + rows[None, :],
+                          mask=(positions < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
+        scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_T * (BLOCK_K + RING_PAD + BLOCK_T))
+        c_ring = scratch + BLOCK_T * BLOCK_K
+        c_draft = c_ring + BLOCK_T * RING_PAD
+        v_row = v_ptr + b * s_v_b + h * s_v_h
+        out_row = out_ptr + b * s_out_b + h * s_out_h
+        base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)  # [BLOCK_V, BLOCK_K]
+        for t in tl.static_range(T):
+            v_t = tl.load(v_row + t * s_v_t + rows, mask=row_mask, other=0.0)
+            tl.store(ring_v + (n + t) * V + rows, v_t.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+            Q_t = tl.load(scratch + t * BLOCK_K + cols)
+            o = tl.sum(base * Q_t[None, :], axis=1) + tl.sum(
+                tl.load(c_ring + t * RING_PAD + positions)[:, None] * ring_vs, axis=0)  # [BLOCK_V]
+            # Drafts after t are not read: their inputs may be NaN or inf.
+            for p in tl.static_range(t + 1):
+                v_p = tl.load(v_row + p * s_v_t + rows, mask=row_mask, other=0.0).to(tl.float32)
+                o += tl.load(c_draft + t * BLOCK_T + p) * v_p
+            flag_nonfinite(slot_flags_ptr, slot, o, row_mask)
+            tile.store_output(out_row, o, t * s_out_t + rows, row_mask, OUT_BF16, HW)
 
 
 @triton.jit

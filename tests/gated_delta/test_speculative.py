@@ -115,20 +115,25 @@ class Shadow:
 
 
 CASES = [
-    # (channel, ring_len, max_draft, T, checkpoint, read, split, rounds)
-    (False, 4, 3, 3, "fp32", None, None, 6),
-    (True, 4, 4, 3, "fp32", "fp8_e4m3:row", (4, 2), 3),
-    (False, 5, 2, 2, "bf16", "int8:row", None, 6),
+    # (channel, ring_len, max_draft, T, checkpoint, read, split, verify_split, rounds)
+    (False, 4, 3, 3, "fp32", None, None, True, 6),
+    (True, 4, 4, 3, "fp32", "fp8_e4m3:row", (4, 2), True, 3),
+    (False, 5, 2, 2, "bf16", "int8:row", None, True, 6),
+    (True, 4, 3, 3, "fp32", "int8:row", (4, 2), False, 4),
+    (False, 4, 3, 3, "fp32", None, None, False, 4),
 ]
 
 
-@pytest.mark.parametrize("channel,ring_len,max_draft,T,checkpoint,read,split,rounds", CASES)
+@pytest.mark.parametrize("channel,ring_len,max_draft,T,checkpoint,read,split,verify_split,rounds", CASES)
 def test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, channel, ring_len, max_draft, T,
-                                                                  checkpoint, read, split, rounds):
+                                                                  checkpoint, read, split, verify_split, rounds):
     """Staggered slots, padding rows, random acceptance counts; flushes at commits checked.
-    ``split``: the GPU's launch shape (V over 2 programs of 2 chunks, loading a chunk ahead)."""
+    ``split``: the GPU's launch shape (V over 2 programs of 2 chunks, loading a chunk ahead; the
+    stream kernel over 2 programs); ``verify_split``: the sweep-then-stream verify, else the
+    fused one."""
     from qstate.kernels.gated_delta import speculative
     monkeypatch.setattr(speculative, "INTERPRETER_SPLIT", split)
+    monkeypatch.setattr(speculative, "VERIFY_SPLIT", verify_split)
     g = torch.Generator().manual_seed(1)
     cache = allocate(4, channel=channel, ring_len=ring_len, max_draft=max_draft, read=read, checkpoint=checkpoint)
     state0 = torch.randn(4, HV, V, K, generator=g)
