@@ -35,12 +35,12 @@ import functools
 
 import torch
 
-from ..common import codec, sizes
+from ..common import codec, gpu, sizes
 from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch
 from . import speculative_kernels, tile
 from .conventional import tile_config
-from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _drafts_kernel, _verify_kernel,
+from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel, _drafts_kernel, _verify_kernel,
                                   _verify_stream_kernel)
 
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
@@ -64,6 +64,8 @@ STREAM_WARPS = 4
 FOLD_ROWS = 128
 FOLD_WARPS = 8
 FOLD_PRECISION = "tf32x3"
+# Fold programs per multiprocessor, walking the listed rows' (head, V tile) items.
+FOLD_PROGRAMS_PER_SM = 2
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
@@ -75,6 +77,7 @@ BLOCK_R = 256
 
 _verify = CompiledLaunch(_verify_kernel)
 _stream = CompiledLaunch(_verify_stream_kernel)
+_list = CompiledLaunch(_commit_list_kernel)
 _fold = CompiledLaunch(_commit_fold_kernel)
 _cursor = CompiledLaunch(_commit_cursor_kernel)
 _drafts = CompiledLaunch(_drafts_kernel)
@@ -180,24 +183,27 @@ def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_sc
 
 @functools.lru_cache(maxsize=1024)
 def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, channel, l2norm, has_slots):
+    """``(fold grid, fold constexprs, cursor grid, list and cursor constexprs)``."""
     block_k = max(32, sizes.next_power_of_2(K))
     block_v, warps, precision = tile.fold_tile(block_k, V, FOLD_ROWS, FOLD_WARPS, FOLD_PRECISION, device.type == "cuda",
                                                INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
     has_read = rd_fmt is not None
-    fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt), CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read,
-                RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
+    v_tiles = sizes.cdiv(V, block_v)
+    fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt),
+                CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read, RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, num_warps=warps)
+                BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=v_tiles, PRECISION=precision, num_warps=warps)
+    programs = max(1, min(batch * num_v_heads * v_tiles, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
-    return (sizes.cdiv(V, block_v), num_v_heads, batch), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
+    return (programs,), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
 
 
 def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
                   cursor, drafts, commit_errors, slot_flags, *, checkpoint_format, read_format, max_draft: int,
                   use_qk_l2norm: bool) -> None:
-    """Launch one commit (fold, then cursors) on validated arguments: ``num_accepted (batch,)``
+    """Launch one commit (fold list, fold, then cursors) on validated arguments: ``num_accepted (batch,)``
     int32/int64, ``slot_indices (batch,)`` or None, the cache's tensors contiguous."""
     batch = num_accepted.shape[0]
     num_slots, num_v_heads, V, K = checkpoint.shape
@@ -207,10 +213,14 @@ def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring
         use_qk_l2norm, slot_indices is not None)
     ck = codec.storage_view(checkpoint, checkpoint_format)
     on_gpu = checkpoint.is_cuda
-    _fold(grid, (num_accepted, slot_indices, ck, codec.storage_view(read, read_format) if read is not None else ck,
-                 read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, drafts,
-                 slot_flags, num_slots, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1],
-                 capacity - max_draft, capacity), fold, on_gpu)
+    # Per call, as the verify's scratch: the rows that fold, then their count.
+    fold_list = torch.empty(batch + 1, dtype=torch.int32, device=checkpoint.device)
+    _list((1,), (num_accepted, slot_indices, cursor, drafts, fold_list, batch, num_slots, capacity - max_draft,
+                 capacity), cursor_constexprs, on_gpu)
+    _fold(grid, (num_accepted, slot_indices, fold_list, ck,
+                 codec.storage_view(read, read_format) if read is not None else ck,
+                 read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
+                 batch, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1], capacity), fold, on_gpu)
     _cursor(cursor_grid, (num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, batch, num_slots,
                           capacity - max_draft, capacity), cursor_constexprs, on_gpu)
 

@@ -1,6 +1,6 @@
 """Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``, and
-``_verify_stream_kernel`` in the split variant), the commit's two (``_commit_fold_kernel``,
-``_commit_cursor_kernel``) and the per-draft-state baseline's (``_drafts_kernel``). Launched by
+``_verify_stream_kernel`` in the split variant), the commit's three (``_commit_list_kernel``,
+``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state baseline's (``_drafts_kernel``). Launched by
 :mod:`.speculative`, whose docstring says what each does."""
 
 import triton
@@ -240,25 +240,47 @@ def _verify_stream_kernel(
 
 
 @triton.jit
+def _commit_list_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, fold_list_ptr, batch, num_slots, ring_len,
+                        capacity, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: the batch rows whose commit folds (:func:`commit_decision`), in order, into
+    ``fold_list[0 … count)``, and ``count`` into ``fold_list[batch]``."""
+    count = 0
+    for start in range(0, batch, BLOCK_R):
+        batch_rows = start + tl.arange(0, BLOCK_R)
+        in_batch = batch_rows < batch
+        if HAS_SLOTS:
+            slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
+        else:
+            slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+        live = (slots >= 0) & (slots < num_slots)
+        accepted = tl.load(accepted_ptr + batch_rows, mask=live, other=0).to(tl.int32)
+        pending = tl.load(drafts_ptr + slots, mask=live, other=0)
+        n = tl.load(cursor_ptr + slots, mask=live, other=0)
+        _, flush, _, _, _ = commit_decision(n, pending, accepted, ring_len, capacity)
+        folds = (live & flush).to(tl.int32)
+        tl.store(fold_list_ptr + count + tl.cumsum(folds, axis=0) - 1, batch_rows, mask=folds != 0)
+        count += tl.sum(folds, axis=0)
+    tl.store(fold_list_ptr + batch, count)
+
+
+@triton.jit
 def _commit_fold_kernel(
-    accepted_ptr, slot_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
-    cursor_ptr, drafts_ptr, slot_flags_ptr, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group, ring_len,
-    capacity,
+    accepted_ptr, slot_ptr, fold_list_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
+    ring_beta_ptr, cursor_ptr, slot_flags_ptr, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity,
     M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
     RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    v_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
-    live = (slot >= 0) & (slot < num_slots)
-    n = tl.load(cursor_ptr + slot, mask=live, other=0)
-    pending = tl.load(drafts_ptr + slot, mask=live, other=0)
-    accepted = tl.load(accepted_ptr + b, mask=live, other=0).to(tl.int32)
-    _, flush, _, _, _ = commit_decision(n, pending, accepted, ring_len, capacity)
-    if live & flush:
+    # Items (listed row, value head, V tile) in turn: only the rows whose ring fills cost a program.
+    per_row = num_v_heads * NUM_V_TILES
+    for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * per_row, tl.num_programs(0)):
+        b = tl.load(fold_list_ptr + item // per_row)
+        h = (item // NUM_V_TILES) % num_v_heads
+        v_tile = item % NUM_V_TILES
+        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+        n = tl.load(cursor_ptr + slot)
+        accepted = tl.load(accepted_ptr + b).to(tl.int32)
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
         # checkpoint in fp32 from the checkpoint itself (not the read copy), in matrix form; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
