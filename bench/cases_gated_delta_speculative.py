@@ -274,6 +274,8 @@ SWEEP = {
     "s64x4w": {"STREAM_ROWS": 64},
     "s32x8w": {"STREAM_WARPS": 8},
     "s32x2w": {"STREAM_WARPS": 2},
+    "fold-1/sm": {"FOLD_PROGRAMS_PER_SM": 1},
+    "fold-4/sm": {"FOLD_PROGRAMS_PER_SM": 4},
 }
 
 
