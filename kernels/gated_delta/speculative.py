@@ -3,24 +3,30 @@ launchers of :mod:`.speculative_kernels`. Verify T drafts per row on replay stat
 ring entries; commit by moving the cursor, folding the ring when it holds ``ring_len`` committed
 tokens; and the per-draft-state baseline of serving engines.
 
-* ``_verify_kernel``, grid ``(cdiv(V, BLOCK_V · V_LOOP), HV, batch)``: a program owns
-  ``V_LOOP`` chunks of ``BLOCK_V`` rows of V of one value head of one row, K whole. It reads the
-  slot's cursor ``n`` (a cursor outside ``[0, ring_len)`` flags ``SLOT_BAD_CURSOR``, outputs NaN
-  and writes nothing), appends the drafts at ``n … n+T−1`` and sets ``drafts[slot] = T``. Then
-  the adjoint sweeps of the T drafts run together as a ``[T, K]`` tile: chain t starts at
-  ``q̂_t`` and is carried back through drafts ``t … 0`` and the ring newest first, keeping each
-  token's coefficient ``c``; each chunk of V then takes ``o_t = Σ c v + R T_t`` over the read
-  copy's rows (the checkpoint's without one), read once for all drafts.
-* ``_commit_fold_kernel``, grid ``(cdiv(V, BLOCK_V'), HV, batch)``: a row whose commit brings
-  its committed tokens to ``ring_len`` or more folds them into ``BLOCK_V'`` rows of the
+* ``_verify_kernel``, grid ``(1, HV, batch)`` (split, the default ``VERIFY_SPLIT``): one program
+  per value head of a row. It reads the slot's cursor ``n`` (a cursor outside ``[0, ring_len)``
+  flags ``SLOT_BAD_CURSOR``, outputs NaN and writes nothing), appends the drafts' k, g and β at
+  ``n … n+T−1`` and sets ``drafts[slot] = T``. Then the adjoint sweeps of the T drafts run
+  together as a ``[T, K]`` tile: chain t starts at ``q̂_t`` and is carried back through drafts
+  ``t … 0`` and the ring newest first, keeping each token's coefficient; the swept queries ``Q``
+  and the coefficients go to a per-call scratch.
+* ``_verify_stream_kernel``, grid ``(cdiv(V, BLOCK_V'), HV, batch)``: ``o_t = Σ c v + R Q_t``
+  over ``BLOCK_V'`` rows of the read copy (the checkpoint without one), read once for all
+  drafts, and the drafts' v appended.
+* Fused (``VERIFY_SPLIT = False``): ``_verify_kernel`` alone, grid ``(cdiv(V, BLOCK_V · V_LOOP),
+  HV, batch)``, sweeps once and then streams its ``V_LOOP`` chunks of ``BLOCK_V`` rows.
+* ``_commit_list_kernel``, one program: the rows whose commit brings their committed tokens to
+  ``ring_len`` or more, listed with their count.
+* ``_commit_fold_kernel``, ``FOLD_PROGRAMS_PER_SM`` programs per multiprocessor walking the
+  listed rows' (value head, V tile) items: folds the tokens into ``BLOCK_V'`` rows of the
   checkpoint from the stored checkpoint, in matrix form (the replay flush's: reads ``S K_inᵀ``,
-  corrections through ``(I + B)⁻¹``, one update product; ``FOLD_PRECISION`` on a GPU), stores it and rebuilds
-  the read copy. Every other program returns after three loads.
+  corrections through ``(I + B)⁻¹``, one update product; ``FOLD_PRECISION`` on a GPU), stores
+  it and rebuilds the read copy.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
   accepted`` (0 after a fold), ``drafts ← 0``. A row whose slot has no pending drafts, or whose
   ``accepted`` lies outside ``0 … drafts``, leaves the slot untouched and ORs
   ``ERROR_NO_VERIFY`` / ``ERROR_ACCEPTED_RANGE`` into ``commit_errors``; a cursor outside the
-  ring leaves it untouched and flags ``SLOT_BAD_CURSOR`` (the fold kernel takes the same
+  ring leaves it untouched and flags ``SLOT_BAD_CURSOR`` (the list kernel takes the same
   decision, :func:`.speculative_kernels.commit_decision`).
 
 Baseline: ``_drafts_kernel`` (the conventional kernel's tile and order) updates the state over
