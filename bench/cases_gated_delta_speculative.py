@@ -276,6 +276,7 @@ SWEEP = {
     "s32x2w": {"STREAM_WARPS": 2},
     "fold-1/sm": {"FOLD_PROGRAMS_PER_SM": 1},
     "fold-4/sm": {"FOLD_PROGRAMS_PER_SM": 4},
+    "fold-16w": {"FOLD_WARPS": 16},
 }
 
 
