@@ -268,14 +268,9 @@ _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
     "fused": {"VERIFY_SPLIT": False},
-    "fused-16x8": {"VERIFY_SPLIT": False, "VERIFY_TILE_ROWS": 16, "VERIFY_V_LOOP": 8},
-    "fused-8x16-noprefetch": {"VERIFY_SPLIT": False, "PREFETCH": False},
     "s16x2w": {"STREAM_ROWS": 16, "STREAM_WARPS": 2},
     "s64x4w": {"STREAM_ROWS": 64},
-    "s32x8w": {"STREAM_WARPS": 8},
-    "s32x2w": {"STREAM_WARPS": 2},
     "fold-1/sm": {"FOLD_PROGRAMS_PER_SM": 1},
-    "fold-4/sm": {"FOLD_PROGRAMS_PER_SM": 4},
     "fold-16w": {"FOLD_WARPS": 16},
 }
 
