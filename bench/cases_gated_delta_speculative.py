@@ -268,10 +268,9 @@ _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
     "fused": {"VERIFY_SPLIT": False},
-    "s16x2w": {"STREAM_ROWS": 16, "STREAM_WARPS": 2},
+    "stream-tf32x3": {"STREAM_PRECISION": "tf32x3"},
     "s64x4w": {"STREAM_ROWS": 64},
-    "fold-1/sm": {"FOLD_PROGRAMS_PER_SM": 1},
-    "fold-16w": {"FOLD_WARPS": 16},
+    "s32x2w": {"STREAM_WARPS": 2},
 }
 
 

@@ -65,6 +65,8 @@ PREFETCH = True
 VERIFY_SPLIT = True
 STREAM_ROWS = 32
 STREAM_WARPS = 4
+# The stream's R Qᵀ and V_ring C_ringᵀ products on a GPU ("ieee": fp32 FMAs).
+STREAM_PRECISION = "ieee"
 # Commit fold: the replay flush's tile, each head's operands once (H100, batch 256, T = 4: fold
 # 591 / 628 µs a round against 850 / 1367 at 32 rows on 4 warps); products in three TF32 parts.
 FOLD_ROWS = 128
@@ -134,8 +136,9 @@ def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt
         return grid, constexprs, None, None, 0
     stream_v, stream_warps = whole, 4
     if on_gpu:
-        stream_v, stream_warps = min(max(1, STREAM_ROWS * 128 // block_k), whole), STREAM_WARPS
-        while stream_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, stream_v) < MIN_PROGRAMS:
+        # At least 16 rows: the products' smallest tile.
+        stream_v, stream_warps = max(16, min(STREAM_ROWS * 128 // block_k, whole)), STREAM_WARPS
+        while stream_v > 16 and batch * num_v_heads * sizes.cdiv(V, stream_v) < MIN_PROGRAMS:
             stream_v //= 2
     elif INTERPRETER_SPLIT is not None:
         stream_v = INTERPRETER_SPLIT[0]
@@ -143,7 +146,9 @@ def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt
     stream = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=ring_pad, BLOCK_T=block_t,
                   BASE_DTYPE=formats["RD_DTYPE"] if has_read else formats["CK_DTYPE"],
                   BASE_GRAN=formats["RD_GRAN"] if has_read else 0, HW=constexprs["HW"], HAS_SLOTS=has_slots,
-                  OUT_BF16=out_bf16, BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
+                  OUT_BF16=out_bf16, BLOCK_V=stream_v, BLOCK_K=block_k, DOT_T=max(16, block_t),
+                  DOT_RING=max(16, ring_pad), PRECISION=STREAM_PRECISION if on_gpu else "ieee",
+                  num_warps=stream_warps)
     return (grid, constexprs, (sizes.cdiv(V, stream_v), num_v_heads, batch), stream,
             block_t * (block_k + ring_pad + block_t))
 

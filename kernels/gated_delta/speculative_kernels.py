@@ -195,13 +195,15 @@ def _verify_stream_kernel(
     num_slots, num_v_heads, K, V, s_v_b, s_v_t, s_v_h, s_out_b, s_out_t, s_out_h,
     L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr, RING_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BASE_DTYPE: tl.constexpr, BASE_GRAN: tl.constexpr, HW: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_T: tl.constexpr,
+    DOT_RING: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The split verify's outputs of served rows over ``BLOCK_V`` rows of V: draft t's
     ``o_t = Σ_i c_ring[t, i] v_{n−1−i} + Σ_{p ≤ t} c_draft[t, p] v_p + R Q_t`` (R: the read copy,
     or the checkpoint), and the drafts' v appended at ``n … n+T−1``. The scratch of a (row, value
     head) holds, from ``_verify_kernel``: ``Q [BLOCK_T, BLOCK_K]``, ``c_ring [BLOCK_T, RING_PAD]``
-    (newest first), ``c_draft [BLOCK_T, BLOCK_T]``. Padding and bad cursors are the sweep's."""
+    (newest first), ``c_draft [BLOCK_T, BLOCK_T]``. ``R Qᵀ`` and ``V_ring C_ringᵀ`` are products
+    over ``DOT_T ≥ T`` chains (rows past T zero); padding and bad cursors are the sweep's."""
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -215,28 +217,32 @@ def _verify_stream_kernel(
         ring_head = slot * num_v_heads + h
         codes, scale = tile.load_raw(base_ptr + ring_head * V * K, base_scale_ptr + ring_head * V, rows, cols,
                                      row_mask, K, K, 1, BASE_GRAN, BLOCK_K)
-        positions = tl.arange(0, RING_PAD)
+        chains = tl.arange(0, DOT_T)
+        is_chain = chains < T
+        positions = tl.arange(0, DOT_RING)
         ring_v = ring_v_ptr + ring_head * CAP * V
-        ring_vs = tl.load(ring_v + (n - 1 - positions)[:, None] * V + rows[None, :],
-                          mask=(positions < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
+        ring_vs = tl.load(ring_v + (n - 1 - positions)[None, :] * V + rows[:, None],
+                          mask=(positions < n)[None, :] & row_mask[:, None], other=0.0).to(tl.float32)
         scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_T * (BLOCK_K + RING_PAD + BLOCK_T))
         c_ring = scratch + BLOCK_T * BLOCK_K
         c_draft = c_ring + BLOCK_T * RING_PAD
-        v_row = v_ptr + b * s_v_b + h * s_v_h
-        out_row = out_ptr + b * s_out_b + h * s_out_h
+        Q = tl.load(scratch + chains[:, None] * BLOCK_K + cols[None, :], mask=is_chain[:, None], other=0.0)
+        C = tl.load(c_ring + chains[:, None] * RING_PAD + positions[None, :],
+                    mask=is_chain[:, None] & (positions < RING_PAD)[None, :], other=0.0)  # [DOT_T, DOT_RING]
         base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)  # [BLOCK_V, BLOCK_K]
-        for t in tl.static_range(T):
-            v_t = tl.load(v_row + t * s_v_t + rows, mask=row_mask, other=0.0)
-            tl.store(ring_v + (n + t) * V + rows, v_t.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-            Q_t = tl.load(scratch + t * BLOCK_K + cols)
-            o = tl.sum(base * Q_t[None, :], axis=1) + tl.sum(
-                tl.load(c_ring + t * RING_PAD + positions)[:, None] * ring_vs, axis=0)  # [BLOCK_V]
-            # Drafts after t are not read: their inputs may be NaN or inf.
-            for p in tl.static_range(t + 1):
-                v_p = tl.load(v_row + p * s_v_t + rows, mask=row_mask, other=0.0).to(tl.float32)
-                o += tl.load(c_draft + t * BLOCK_T + p) * v_p
-            flag_nonfinite(slot_flags_ptr, slot, o, row_mask)
-            tile.store_output(out_row, o, t * s_out_t + rows, row_mask, OUT_BF16, HW)
+        o = tl.dot(base, tl.trans(Q), input_precision=PRECISION)  # [BLOCK_V, DOT_T]
+        o += tl.dot(ring_vs, tl.trans(C), input_precision=PRECISION)
+        v_row = v_ptr + b * s_v_b + h * s_v_h
+        for p in tl.static_range(T):
+            v_p = tl.load(v_row + p * s_v_t + rows, mask=row_mask, other=0.0)
+            tl.store(ring_v + (n + p) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+            c_p = tl.load(c_draft + chains * BLOCK_T + p, mask=is_chain, other=0.0)  # [DOT_T]
+            # Chains before p never read draft p: its inputs may be NaN or inf.
+            o = tl.where((chains >= p)[None, :], o + v_p.to(tl.float32)[:, None] * c_p[None, :], o)
+        out_tile = row_mask[:, None] & is_chain[None, :]
+        flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
+        tile.store_output(out_ptr + b * s_out_b + h * s_out_h, o, rows[:, None] + chains[None, :] * s_out_t,
+                          out_tile, OUT_BF16, HW)
 
 
 @triton.jit
