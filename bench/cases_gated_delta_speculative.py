@@ -269,8 +269,6 @@ SWEEP = {
     "default": {},
     "fused": {"VERIFY_SPLIT": False},
     "stream-tf32x3": {"STREAM_PRECISION": "tf32x3"},
-    "s64x4w": {"STREAM_ROWS": 64},
-    "s32x2w": {"STREAM_WARPS": 2},
 }
 
 
