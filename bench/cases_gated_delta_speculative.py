@@ -267,8 +267,8 @@ def annotate(by_group):
 _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
-    "fused": {"VERIFY_SPLIT": False},
-    "stream-tf32x3": {"STREAM_PRECISION": "tf32x3"},
+    "split": {"VERIFY_SPLIT": True},
+    "split-tf32x3": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3"},
 }
 
 

@@ -3,7 +3,7 @@ launchers of :mod:`.speculative_kernels`. Verify T drafts per row on replay stat
 ring entries; commit by moving the cursor, folding the ring when it holds ``ring_len`` committed
 tokens; and the per-draft-state baseline of serving engines.
 
-* ``_verify_kernel``, grid ``(1, HV, batch)`` (split, the default ``VERIFY_SPLIT``): one program
+* ``_verify_kernel``, grid ``(1, HV, batch)`` in the split variant (``VERIFY_SPLIT``): one program
   per value head of a row. It reads the slot's cursor ``n`` (a cursor outside ``[0, ring_len)``
   flags ``SLOT_BAD_CURSOR``, outputs NaN and writes nothing), appends the drafts' k, g and β at
   ``n … n+T−1`` and sets ``drafts[slot] = T``. Then the adjoint sweeps of the T drafts run
@@ -13,7 +13,7 @@ tokens; and the per-draft-state baseline of serving engines.
 * ``_verify_stream_kernel``, grid ``(cdiv(V, BLOCK_V'), HV, batch)``: ``o_t = Σ c v + R Q_t``
   over ``BLOCK_V'`` rows of the read copy (the checkpoint without one), read once for all
   drafts, and the drafts' v appended.
-* Fused (``VERIFY_SPLIT = False``): ``_verify_kernel`` alone, grid ``(cdiv(V, BLOCK_V · V_LOOP),
+* Fused (the default, ``VERIFY_SPLIT = False``): ``_verify_kernel`` alone, grid ``(cdiv(V, BLOCK_V · V_LOOP),
   HV, batch)``, sweeps once and then streams its ``V_LOOP`` chunks of ``BLOCK_V`` rows.
 * ``_commit_list_kernel``, one program: the rows whose commit brings their committed tokens to
   ``ring_len`` or more, listed with their count.
@@ -60,9 +60,9 @@ VERIFY_V_LOOP = 16
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
 # (only without VERIFY_SPLIT).
 PREFETCH = True
-# The split verify: one program per (row, head) only sweeps (Q, c → scratch); a stream kernel of
-# STREAM_ROWS rows (at K = 128) × STREAM_WARPS warps then reads the state for all drafts.
-VERIFY_SPLIT = True
+# The split verify (sweep → scratch, then a stream kernel of STREAM_ROWS × STREAM_WARPS). With row
+# sums in the stream it lost on an H100 (round 1602 / 1613 µs against 1499 / 1458 fused).
+VERIFY_SPLIT = False
 STREAM_ROWS = 32
 STREAM_WARPS = 4
 # The stream's R Qᵀ and V_ring C_ringᵀ products on a GPU ("ieee": fp32 FMAs).
