@@ -246,6 +246,20 @@ def _verify_stream_kernel(
 
 
 @triton.jit
+def _commit_rows(accepted_ptr, slot_ptr, cursor_ptr, batch_rows, batch, num_slots, HAS_SLOTS: tl.constexpr):
+    """A block of batch rows' ``(slots, live, accepted, cursor)``, as both commit kernels read
+    them (rows past the batch and padding not live)."""
+    in_batch = batch_rows < batch
+    if HAS_SLOTS:
+        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
+    else:
+        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+    live = (slots >= 0) & (slots < num_slots)
+    accepted = tl.load(accepted_ptr + batch_rows, mask=live, other=0).to(tl.int32)
+    return slots, live, accepted, tl.load(cursor_ptr + slots, mask=live, other=0)
+
+
+@triton.jit
 def _commit_list_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, fold_list_ptr, batch, num_slots, ring_len,
                         capacity, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program: the batch rows whose commit folds (:func:`commit_decision`), in order, into
@@ -253,15 +267,9 @@ def _commit_list_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, fold_lis
     count = 0
     for start in range(0, batch, BLOCK_R):
         batch_rows = start + tl.arange(0, BLOCK_R)
-        in_batch = batch_rows < batch
-        if HAS_SLOTS:
-            slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
-        else:
-            slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
-        live = (slots >= 0) & (slots < num_slots)
-        accepted = tl.load(accepted_ptr + batch_rows, mask=live, other=0).to(tl.int32)
+        slots, live, accepted, n = _commit_rows(accepted_ptr, slot_ptr, cursor_ptr, batch_rows, batch, num_slots,
+                                                HAS_SLOTS)
         pending = tl.load(drafts_ptr + slots, mask=live, other=0)
-        n = tl.load(cursor_ptr + slots, mask=live, other=0)
         _, flush, _, _, _ = commit_decision(n, pending, accepted, ring_len, capacity)
         folds = (live & flush).to(tl.int32)
         tl.store(fold_list_ptr + count + tl.cumsum(folds, axis=0) - 1, batch_rows, mask=folds != 0)
@@ -331,15 +339,9 @@ def _commit_cursor_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, errors
     ran before, flushed), and its pending drafts are cleared; a refused row leaves its slot as
     it is and records why."""
     batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_batch = batch_rows < batch
-    if HAS_SLOTS:
-        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
-    else:
-        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
-    live = (slots >= 0) & (slots < num_slots)
-    accepted = tl.load(accepted_ptr + batch_rows, mask=live, other=0).to(tl.int32)
+    slots, live, accepted, n = _commit_rows(accepted_ptr, slot_ptr, cursor_ptr, batch_rows, batch, num_slots,
+                                            HAS_SLOTS)
     pending = tl.load(drafts_ptr + slots, mask=live, other=0)
-    n = tl.load(cursor_ptr + slots, mask=live, other=0)
     ok, flush, no_verify, out_of_range, bad_cursor = commit_decision(n, pending, accepted, ring_len, capacity)
     ok = live & ok
     tl.atomic_or(slot_flags_ptr + slots, tl.full([BLOCK_R], SLOT_BAD_CURSOR, tl.int32), mask=live & bad_cursor)
