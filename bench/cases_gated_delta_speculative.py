@@ -268,12 +268,14 @@ _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
     "split": {"VERIFY_SPLIT": True},
-    "split-tf32x3": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3"},
+    "fold-32x8": {"FOLD_ROWS": 32},
+    "fold-128x8": {"FOLD_ROWS": 128},
+    "fold-32x4-2/sm": {"FOLD_ROWS": 32, "FOLD_WARPS": 4, "FOLD_PROGRAMS_PER_SM": 2},
 }
 
 
 def sweep_cases(device):
-    """The verify's variants and tiles against the default (``bench.run_gpu --sweep
+    """The verify's and commit fold's variants and tiles against the default (``bench.run_gpu --sweep
     gated_delta_speculative``): the main layer at batch 256, T = 4, both reads."""
     out = []
     for read in READS:

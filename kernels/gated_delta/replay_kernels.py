@@ -191,10 +191,10 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
                      other=0.0).to(tl.float32)  # [BLOCK_V, M]
     values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
-    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M, PRECISION)
+    key_in, update, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M, PRECISION)
     head = ring_head * V * K
     S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
-    S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
+    S = fold_rows(S, values, key_in, update, decay, CHANNEL, PRECISION)
     q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
     o = tl.sum(S * q[None, :], axis=1)
     # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).

@@ -18,10 +18,11 @@ tokens; and the per-draft-state baseline of serving engines.
 * ``_commit_list_kernel``, one program: the rows whose commit brings their committed tokens to
   ``ring_len`` or more, listed with their count.
 * ``_commit_fold_kernel``, ``FOLD_PROGRAMS_PER_SM`` programs per multiprocessor walking the
-  listed rows' (value head, V tile) items: folds the tokens into ``BLOCK_V'`` rows of the
-  checkpoint from the stored checkpoint, in matrix form (the replay flush's: reads ``S K_inᵀ``,
-  corrections through ``(I + B)⁻¹``, one update product; ``FOLD_PRECISION`` on a GPU), stores
-  it and rebuilds the read copy.
+  listed rows' value heads: per head, the fold's operands once (the replay flush's matrix form:
+  ``key_in`` and ``update = diag(β) (I + B)⁻ᵀ key_out``, products at ``FOLD_PRECISION`` on a
+  GPU) into the program's scratch, then per ``BLOCK_V'`` rows of V the checkpoint folded from
+  the stored checkpoint one committed token at a time in fp32 FMAs (``S e^{Γ} + Σ_j (v_j − S
+  key_in_j) update_j``), stored, and the read copy rebuilt.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
   accepted`` (0 after a fold), ``drafts ← 0``. A row whose slot has no pending drafts, or whose
   ``accepted`` lies outside ``0 … drafts``, leaves the slot untouched and ORs
@@ -44,7 +45,7 @@ import torch
 from ..common import codec, gpu, sizes
 from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch
-from . import speculative_kernels, tile
+from . import speculative_kernels
 from .conventional import tile_config
 from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel, _drafts_kernel,
                                   _verify_kernel, _verify_stream_kernel)
@@ -67,13 +68,13 @@ STREAM_ROWS = 32
 STREAM_WARPS = 4
 # The stream's R Qᵀ and V_ring C_ringᵀ products on a GPU ("ieee": fp32 FMAs).
 STREAM_PRECISION = "ieee"
-# Commit fold: the replay flush's tile, each head's operands once (H100, batch 256, T = 4: fold
-# 591 / 628 µs a round against 850 / 1367 at 32 rows on 4 warps); products in three TF32 parts.
-FOLD_ROWS = 128
+# Commit fold: rows of V per tile at K = 128 and warps (the operands' products need 8 warps to stay
+# within 255 registers); the operands' products in three TF32 parts.
+FOLD_ROWS = 64
 FOLD_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Fold programs per multiprocessor, walking the listed rows' (head, V tile) items.
-FOLD_PROGRAMS_PER_SM = 2
+# Fold programs per multiprocessor, walking the listed rows' value heads.
+FOLD_PROGRAMS_PER_SM = 1
 # (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
 INTERPRETER_SPLIT = None
@@ -196,8 +197,11 @@ def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_sc
 def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, channel, l2norm, has_slots):
     """``(fold grid, fold constexprs, cursor grid, list and cursor constexprs)``."""
     block_k = max(32, sizes.next_power_of_2(K))
-    block_v, warps, precision = tile.fold_tile(block_k, V, FOLD_ROWS, FOLD_WARPS, FOLD_PRECISION, device.type == "cuda",
-                                               INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
+    whole = sizes.next_power_of_2(V)
+    if device.type == "cuda":
+        block_v, warps, precision = max(16, min(FOLD_ROWS * 128 // block_k, whole)), FOLD_WARPS, FOLD_PRECISION
+    else:
+        block_v, warps, precision = (INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else whole), 4, "ieee"
     has_read = rd_fmt is not None
     v_tiles = sizes.cdiv(V, block_v)
     fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt),
@@ -206,7 +210,7 @@ def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, cha
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=v_tiles, PRECISION=precision, num_warps=warps)
-    programs = max(1, min(batch * num_v_heads * v_tiles, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
+    programs = max(1, min(batch * num_v_heads, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (programs,), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
 
@@ -228,10 +232,12 @@ def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring
     fold_list = torch.empty(batch + 1, dtype=torch.int32, device=checkpoint.device)
     _list((1,), (num_accepted, slot_indices, cursor, drafts, fold_list, batch, num_slots, capacity - max_draft,
                  capacity), cursor_constexprs, on_gpu)
+    # Per call as well: each fold program's operands, [programs, 2, M, BLOCK_K] fp32.
+    scratch = torch.empty(grid[0] * 2 * fold["M"] * fold["BLOCK_K"], dtype=torch.float32, device=checkpoint.device)
     _fold(grid, (num_accepted, slot_indices, fold_list, ck,
                  codec.storage_view(read, read_format) if read is not None else ck,
                  read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
-                 batch, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1], capacity), fold, on_gpu)
+                 scratch, batch, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1], capacity), fold, on_gpu)
     _cursor(cursor_grid, (num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, batch, num_slots,
                           capacity - max_draft, capacity), cursor_constexprs, on_gpu)
 

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, fold_operands, fold_rows, ring_token
+from .ring import apply_token, fold_operands, fold_rows_streamed, ring_token
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -280,31 +280,28 @@ def _commit_list_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, fold_lis
 @triton.jit
 def _commit_fold_kernel(
     accepted_ptr, slot_ptr, fold_list_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
-    ring_beta_ptr, cursor_ptr, slot_flags_ptr, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity,
-    M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
-    RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
-    L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    ring_beta_ptr, cursor_ptr, slot_flags_ptr, scratch_ptr, batch, num_k_heads, num_v_heads, K, V, heads_per_group,
+    capacity, M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr,
+    RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
+    CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Items (listed row, value head, V tile) in turn: only the rows whose ring fills cost a program.
-    per_row = num_v_heads * NUM_V_TILES
-    for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * per_row, tl.num_programs(0)):
-        b = tl.load(fold_list_ptr + item // per_row)
-        h = (item // NUM_V_TILES) % num_v_heads
-        v_tile = item % NUM_V_TILES
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    pos = tl.arange(0, M)
+    # The program's scratch [2, M, BLOCK_K]: the current head's key_in and update rows, read back
+    # per V tile instead of held in registers across the tiles.
+    scratch = scratch_ptr + tl.program_id(0) * (2 * M * BLOCK_K)
+    # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
+    for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
+        b = tl.load(fold_list_ptr + item // num_v_heads)
+        h = item % num_v_heads
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
-        n = tl.load(cursor_ptr + slot)
-        accepted = tl.load(accepted_ptr + b).to(tl.int32)
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
         # checkpoint in fp32 from the checkpoint itself (not the read copy), in matrix form; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
         # moves the cursor to 0.
-        count = n + accepted
-        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_mask = rows < V
-        cols = tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        pos = tl.arange(0, M)
+        count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
         committed = pos < count
         ring_head = slot * num_v_heads + h
         ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
@@ -316,20 +313,27 @@ def _commit_fold_kernel(
         else:
             g = tl.load(ring_g_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
         beta = tl.load(ring_beta_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
-        values = tl.load(ring_v_ptr + ring_head * capacity * V + pos[None, :] * V + rows[:, None],
-                         mask=committed[None, :] & row_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_V, M]
-        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M,
-                                                              PRECISION)
+        key_in, update, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M, PRECISION)
+        tl.store(scratch + pos[:, None] * BLOCK_K + cols[None, :], key_in)
+        tl.store(scratch + M * BLOCK_K + pos[:, None] * BLOCK_K + cols[None, :], update)
+        tl.debug_barrier()
         head = ring_head * V * K
-        S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
-        S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
-        # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
-        flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
-        stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
-                                 False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
-        if HAS_READ:
-            tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K, 1,
-                            rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+        for v_tile in range(NUM_V_TILES):
+            rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            row_mask = rows < V
+            S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
+                               BLOCK_K)
+            S = fold_rows_streamed(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
+                                   count, M, BLOCK_K, CHANNEL)
+            # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
+            flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
+            stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
+                                     False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+            if HAS_READ:
+                tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K, 1,
+                                rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
+        # The next item's operands overwrite the scratch only once every tile has read it.
+        tl.debug_barrier()
 
 
 @triton.jit
