@@ -44,7 +44,7 @@ import torch
 
 from ..common import codec, gpu, sizes
 from ..common.copy_accepted import launch_copy_accepted
-from ..common.launch import CompiledLaunch
+from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
 from .conventional import tile_config
 from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel, _drafts_kernel,
@@ -73,8 +73,10 @@ STREAM_PRECISION = "ieee"
 FOLD_ROWS = 64
 FOLD_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Fold programs per multiprocessor, walking the listed rows' value heads.
+# Fold programs per multiprocessor, walking the listed rows' value heads, and their register cap
+# (None: the compiler's; a cap with two programs fits twice the warps, at the cost of spills).
 FOLD_PROGRAMS_PER_SM = 1
+FOLD_MAXNREG = None
 # (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
 INTERPRETER_SPLIT = None
@@ -209,7 +211,8 @@ def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, cha
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=v_tiles, PRECISION=precision, num_warps=warps)
+                BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=v_tiles, PRECISION=precision, num_warps=warps,
+                **register_cap(FOLD_MAXNREG, device))
     programs = max(1, min(batch * num_v_heads, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (programs,), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
