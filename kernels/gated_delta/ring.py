@@ -92,25 +92,17 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
 
 
 @triton.jit
-def fold_rows(S, values, key_in, update, decay, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
-    """The state rows ``S [BLOCK_V, BLOCK_K]`` after the tokens of :func:`fold_operands`
-    (``values [BLOCK_V, M]``: each token's v over these rows), in matrix form (products at
-    ``PRECISION``, accumulated in fp32): the reads ``W = S key_inᵀ`` and ``S e^{Γ_last} + (values
-    − W) update``, where ``(values − W) diag(β) (I + B)⁻ᵀ`` are the tokens' corrections ``d_j =
-    β_j (v_j − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included. The token-by-token fold's
-    result, its sums in another order."""
-    reads = tl.dot(S, tl.trans(key_in), input_precision=PRECISION)  # [BLOCK_V, M]
-    return tile.apply_decay(S, decay, CHANNEL) + tl.dot(values - reads, update, input_precision=PRECISION)
-
-
-@triton.jit
-def fold_rows_streamed(S, decay, operands, ring_v, V, rows, row_mask, cols, count, M: tl.constexpr,
-                       BLOCK_K: tl.constexpr, CHANNEL: tl.constexpr):
-    """:func:`fold_rows` one token at a time, its operands read back from memory: ``operands``
-    holds ``key_in`` then ``update`` (``[2, M, BLOCK_K]`` fp32, from :func:`fold_operands`),
-    ``ring_v`` the head's first ring value (token j's at ``j · V``). Every read is of the
-    unfolded ``S``, so the ``count`` terms are independent; in fp32 FMAs, which hold fewer
-    registers than the products (no tile spills)."""
+def fold_rows(S, decay, operands, ring_v, V, rows, row_mask, cols, count, M: tl.constexpr, BLOCK_K: tl.constexpr,
+              CHANNEL: tl.constexpr):
+    """The state rows ``S [BLOCK_V, BLOCK_K]`` after the ``count`` tokens of
+    :func:`fold_operands`: ``S e^{Γ_last} + Σ_j (v_j − S key_in_j) update_j``, where
+    ``(v_j − S key_in_j)`` over j, times ``diag(β) (I + B)⁻ᵀ``, are the tokens' corrections
+    ``d_j = β_j (v_j − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included: the token-by-token
+    fold's result, its sums in another order. ``operands`` holds ``key_in`` then ``update``
+    (``[2, M, BLOCK_K]`` fp32, written by the program before a barrier), ``ring_v`` the head's
+    first ring value (token j's at ``j · V``). Every read is of the unfolded ``S``, so the terms
+    are independent; fp32 FMAs, a token at a time, hold a tile's registers where products on
+    tensor cores spilled."""
     folded = tile.apply_decay(S, decay, CHANNEL)
     for j in range(count):
         key_in = tl.load(operands + j * BLOCK_K + cols)

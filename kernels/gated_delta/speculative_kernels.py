@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, fold_operands, fold_rows_streamed, ring_token
+from .ring import apply_token, fold_operands, fold_rows, ring_token
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -323,7 +323,7 @@ def _commit_fold_kernel(
             row_mask = rows < V
             S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
                                BLOCK_K)
-            S = fold_rows_streamed(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
+            S = fold_rows(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
                                    count, M, BLOCK_K, CHANNEL)
             # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
             flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
