@@ -179,7 +179,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
     fold_scratch = torch.empty(flush_grid[0] * 2 * flush["M"] * flush["BLOCK_K"], dtype=torch.float32,
                                device=cache.device)
     _step(grid, args, step, on_gpu)
-    _flush_list((1,), (slot_indices, cache.cursor, flush_list, batch, cache.num_slots), advance, on_gpu)
+    _flush_list((1,), (cache.cursor, slot_indices, flush_list, batch, cache.num_slots), advance, on_gpu)
     _flush(flush_grid, args[:14] + (flush_list, cache.slot_flags, fold_scratch, float(qk_scale), batch) + args[19:], flush,
            on_gpu)
     if split:

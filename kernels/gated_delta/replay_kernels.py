@@ -151,7 +151,7 @@ def _replay_step_kernel(
 
 
 @triton.jit
-def _flush_list_kernel(slot_ptr, cursor_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
+def _flush_list_kernel(cursor_ptr, slot_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
                        HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program: the batch rows whose ring fills at this step (a live slot with cursor
     ``L − 1``), in order, into ``flush_list[0 … count)``, and ``count`` into ``flush_list[batch]``."""

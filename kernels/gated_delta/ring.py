@@ -7,6 +7,9 @@ import triton.language as tl
 
 from . import tile
 
+# Tokens per step of fold_rows, their loads in flight together (M, a power of two ≥ 16, is a multiple).
+FOLD_TOKENS_PER_STEP: tl.constexpr = tl.constexpr(4)
+
 
 @triton.jit
 def ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
@@ -104,9 +107,14 @@ def fold_rows(S, decay, operands, ring_v, V, rows, row_mask, cols, count, M: tl.
     are independent; fp32 FMAs, a token at a time, hold a tile's registers where products on
     tensor cores spilled."""
     folded = tile.apply_decay(S, decay, CHANNEL)
-    for j in range(count):
-        key_in = tl.load(operands + j * BLOCK_K + cols)
-        update = tl.load(operands + (M + j) * BLOCK_K + cols)
-        value = tl.load(ring_v + j * V + rows, mask=row_mask, other=0.0).to(tl.float32)
-        folded += (value - tl.sum(S * key_in[None, :], axis=1))[:, None] * update[None, :]
+    for first in range(0, count, FOLD_TOKENS_PER_STEP):
+        # A step's loads issue together; past count the operands are zero and v is masked
+        # (a rejected draft's v may be NaN).
+        for u in tl.static_range(FOLD_TOKENS_PER_STEP):
+            j = first + u
+            key_in = tl.load(operands + j * BLOCK_K + cols)
+            update = tl.load(operands + (M + j) * BLOCK_K + cols)
+            value = tl.load(ring_v + j * V + rows, mask=row_mask & (tl.zeros_like(rows) + j < count),
+                            other=0.0).to(tl.float32)
+            folded += (value - tl.sum(S * key_in[None, :], axis=1))[:, None] * update[None, :]
     return folded
