@@ -377,8 +377,8 @@ REPLAY_SWEEP = {
     "s64x4w": {"STREAM_ROWS": 64},
     "s32x8w": {"STREAM_WARPS": 8},
     "flush-ieee": {"FOLD_PRECISION": "ieee"},
-    "flush-32x8w": {"FLUSH_ROWS": 32},
-    "flush-128x8w": {"FLUSH_ROWS": 128},
+    "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
+    "flush-128x4w": {"FLUSH_WARPS": 4},
 }
 
 

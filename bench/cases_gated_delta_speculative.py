@@ -267,9 +267,9 @@ def annotate(by_group):
 _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
-    "fold-128x8": {"FOLD_ROWS": 128},
-    "fold-32x4-2/sm": {"FOLD_ROWS": 32, "FOLD_WARPS": 4, "FOLD_PROGRAMS_PER_SM": 2},
-    "fold-128reg-2/sm": {"FOLD_MAXNREG": 128, "FOLD_PROGRAMS_PER_SM": 2},
+    "fold-64x8-1/sm": {"FOLD_ROWS": 64, "FOLD_WARPS": 8, "FOLD_PROGRAMS_PER_SM": 1},
+    "fold-128x8-1/sm": {"FOLD_ROWS": 128, "FOLD_WARPS": 8, "FOLD_PROGRAMS_PER_SM": 1},
+    "fold-64x8-128reg-2/sm": {"FOLD_ROWS": 64, "FOLD_WARPS": 8, "FOLD_MAXNREG": 128},
 }
 
 

@@ -52,10 +52,10 @@ import functools
 
 import torch
 
-from ..common import codec, gpu, sizes
+from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
-from .replay_kernels import (_advance_cursors_kernel, _flush_list_kernel, _replay_flush_kernel, _replay_step_kernel,
-                             _replay_stream_kernel)
+from . import tile
+from .replay_kernels import _advance_cursors_kernel, _replay_flush_kernel, _replay_step_kernel, _replay_stream_kernel
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
 # and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
@@ -73,13 +73,11 @@ STREAM_WARPS = 4
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's split, chunked programs.
 INTERPRETER_SPLIT = None
-# Flush programs: rows of V per tile at K = 128 and warps (the operands' products need 8 warps to stay
-# within 255 registers); the operands' products in three TF32 parts ("ieee": fp32 FMAs).
-FLUSH_ROWS = 64
+# Flush programs: rows of V at K = 128 and warps (a whole head computes the fold's operands once);
+# its products on tensor cores in three TF32 parts ("ieee": fp32 FMAs).
+FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Flush programs per multiprocessor, walking the listed rows' value heads.
-FLUSH_PROGRAMS_PER_SM = 1
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -90,7 +88,6 @@ _step = CompiledLaunch(_replay_step_kernel)
 _advance = CompiledLaunch(_advance_cursors_kernel)
 _stream = CompiledLaunch(_replay_stream_kernel)
 _flush = CompiledLaunch(_replay_flush_kernel)
-_flush_list = CompiledLaunch(_flush_list_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -116,15 +113,13 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
                 num_warps=warps)
-    if device.type == "cuda":
-        flush_v, flush_warps, precision = max(16, min(FLUSH_ROWS * 128 // block_k, whole)), FLUSH_WARPS, FOLD_PRECISION
-    else:
-        flush_v, flush_warps, precision = (INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else whole), 4, "ieee"
+    flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
+                                                     device.type == "cuda",
+                                                     INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, NUM_V_TILES=sizes.cdiv(V, flush_v), PRECISION=precision, num_warps=flush_warps)
-    flush_programs = max(1, min(batch * num_v_heads, FLUSH_PROGRAMS_PER_SM * gpu.sm_count(device)))
+                 BLOCK_K=block_k, PRECISION=precision, num_warps=flush_warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     stream_grid = stream = None
     if split:
@@ -139,8 +134,8 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
         stream = dict(L=ring_len, RING_PAD=step["RING_PAD"], BASE_DTYPE=rd_code if has_read else ck_code,
                       BASE_GRAN=rd_gran if has_read else 0, HW=step["HW"], HAS_SLOTS=has_slots, OUT_BF16=out_bf16,
                       BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (flush_programs,), flush,
-            (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
+            flush, (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool,
@@ -174,14 +169,8 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
             float(qk_scale), cache.num_slots,
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
-    # Per call as well: the flushing rows and their count, then each flush program's fold operands.
-    flush_list = torch.empty(batch + 1, dtype=torch.int32, device=cache.device)
-    fold_scratch = torch.empty(flush_grid[0] * 2 * flush["M"] * flush["BLOCK_K"], dtype=torch.float32,
-                               device=cache.device)
     _step(grid, args, step, on_gpu)
-    _flush_list((1,), (cache.cursor, slot_indices, flush_list, batch, cache.num_slots), advance, on_gpu)
-    _flush(flush_grid, args[:14] + (flush_list, cache.slot_flags, fold_scratch, float(qk_scale), batch) + args[19:], flush,
-           on_gpu)
+    _flush(flush_grid, args[:16] + args[17:], flush, on_gpu)
     if split:
         _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
                               scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),

@@ -151,104 +151,94 @@ def _replay_step_kernel(
 
 
 @triton.jit
-def _flush_list_kernel(cursor_ptr, slot_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
-                       HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: the batch rows whose ring fills at this step (a live slot with cursor
-    ``L − 1``), in order, into ``flush_list[0 … count)``, and ``count`` into ``flush_list[batch]``."""
-    count = 0
-    for start in range(0, batch, BLOCK_R):
-        batch_rows = start + tl.arange(0, BLOCK_R)
-        in_batch = batch_rows < batch
-        if HAS_SLOTS:
-            slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
-        else:
-            slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
-        live = (slots >= 0) & (slots < num_slots)
-        flushes = (live & (tl.load(cursor_ptr + slots, mask=live, other=0) == L - 1)).to(tl.int32)
-        tl.store(flush_list_ptr + count + tl.cumsum(flushes, axis=0) - 1, batch_rows, mask=flushes != 0)
-        count += tl.sum(flushes, axis=0)
-    tl.store(flush_list_ptr + batch, count)
+def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr, read_scale_ptr,
+                ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale, num_k_heads, num_v_heads, K, V,
+                heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
+                s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+                L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
+                RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
+                CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+                OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Batch row ``b`` (slot ``slot``, its ring full): ``BLOCK_V`` rows of value head ``h``
+    folded, output, stored, the read copy rebuilt."""
+    rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < V
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    pos = tl.arange(0, M)
+    in_ring = pos < L - 1
+    now = pos == L - 1
+    hk = h // heads_per_group
+    ring_head = slot * num_v_heads + h
+    ring_v = ring_v_ptr + ring_head * L * V
+    # The tokens oldest first: the ring's L − 1, then the current one (as given, unrounded).
+    k_now = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=col_mask, other=0.0).to(tl.float32)
+    keys = tl.load(ring_k_ptr + (slot * num_k_heads + hk) * L * K + pos[:, None] * K + cols[None, :],
+                   mask=in_ring[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    keys = tl.where(now[:, None], k_now[None, :], keys)
+    g_row = g_ptr + b * s_g_batch + h * s_g_head
+    if CHANNEL:
+        g_now = tl.load(g_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        g = tl.load(ring_g_ptr + ring_head * L * K + pos[:, None] * K + cols[None, :],
+                    mask=in_ring[:, None] & col_mask[None, :], other=0.0)
+        g = tl.where(now[:, None], g_now[None, :], g)
+    else:
+        g = tl.where(now, tl.load(g_row).to(tl.float32), tl.load(ring_g_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
+    beta_now = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
+    beta = tl.where(now, beta_now, tl.load(ring_beta_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
+    v_now = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
+    tl.store(ring_v + (L - 1) * V + rows, v_now.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+    values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
+                     other=0.0).to(tl.float32)  # [BLOCK_V, M]
+    values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
+    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M, PRECISION)
+    head = ring_head * V * K
+    S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
+    S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
+    q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
+    o = tl.sum(S * q[None, :], axis=1)
+    # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
+    flag_nonfinite(flags_ptr, slot, o, row_mask)
+    tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
+    stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
+                             0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+    if HAS_READ:
+        tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
+                        1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
 
 
 @triton.jit
 def _replay_flush_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
-    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flush_list_ptr, flags_ptr,
-    scratch_ptr, qk_scale, batch, num_k_heads, num_v_heads, K, V, heads_per_group,
+    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
+    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """The listed rows (``_flush_list_kernel``), a (row, value head) item at a time: the ring's
-    ``L − 1`` tokens and the current one folded into the checkpoint, from the checkpoint itself.
-    The fold's operands once per head (``ring.fold_operands``, the matrix form) into the
-    program's scratch ``[2, M, BLOCK_K]``; then per ``BLOCK_V`` rows of V the rows folded one
-    token at a time from it (``ring.fold_rows``), the output of the new, unrounded
-    state, the checkpoint stored and the read copy rebuilt from it."""
-    cols = tl.arange(0, BLOCK_K)
-    col_mask = cols < K
-    pos = tl.arange(0, M)
-    in_ring = pos < L - 1
-    now = pos == L - 1
-    scratch = scratch_ptr + tl.program_id(0) * (2 * M * BLOCK_K)
-    for item in range(tl.program_id(0), tl.load(flush_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
-        b = tl.load(flush_list_ptr + item // num_v_heads)
-        h = item % num_v_heads
-        if HAS_SLOTS:
-            slot = tl.load(slot_ptr + b).to(tl.int64)
-        else:
-            slot = b.to(tl.int64)
-        hk = h // heads_per_group
-        ring_head = slot * num_v_heads + h
-        ring_v = ring_v_ptr + ring_head * L * V
-        # The tokens oldest first: the ring's L − 1, then the current one.
-        k_now = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=col_mask, other=0.0).to(tl.float32)
-        keys = tl.load(ring_k_ptr + (slot * num_k_heads + hk) * L * K + pos[:, None] * K + cols[None, :],
-                       mask=in_ring[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        keys = tl.where(now[:, None], k_now[None, :], keys)
-        g_row = g_ptr + b * s_g_batch + h * s_g_head
-        if CHANNEL:
-            g_now = tl.load(g_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            g = tl.load(ring_g_ptr + ring_head * L * K + pos[:, None] * K + cols[None, :],
-                        mask=in_ring[:, None] & col_mask[None, :], other=0.0)
-            g = tl.where(now[:, None], g_now[None, :], g)
-        else:
-            g = tl.where(now, tl.load(g_row).to(tl.float32),
-                         tl.load(ring_g_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
-        beta_now = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
-        beta = tl.where(now, beta_now, tl.load(ring_beta_ptr + ring_head * L + pos, mask=in_ring, other=0.0))
-        key_in, update, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M, PRECISION)
-        tl.store(scratch + pos[:, None] * BLOCK_K + cols[None, :], key_in)
-        tl.store(scratch + M * BLOCK_K + pos[:, None] * BLOCK_K + cols[None, :], update)
-        # The current v joins the ring at L − 1 (the fold reads it there).
-        for v_tile in range(NUM_V_TILES):
-            rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            v_now = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=rows < V, other=0.0)
-            tl.store(ring_v + (L - 1) * V + rows, v_now.to(ring_v_ptr.dtype.element_ty), mask=rows < V)
-        tl.debug_barrier()
-        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
-        head = ring_head * V * K
-        for v_tile in range(NUM_V_TILES):
-            rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            row_mask = rows < V
-            S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
-                               BLOCK_K)
-            S = fold_rows(S, decay, scratch, ring_v, V, rows, row_mask, cols, L, M, BLOCK_K, CHANNEL)
-            o = tl.sum(S * q[None, :], axis=1)
-            # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
-            flag_nonfinite(flags_ptr, slot, o, row_mask)
-            tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
-            stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE,
-                                     0, False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
-            if HAS_READ:
-                tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K,
-                                1, rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
-        # The next item's operands overwrite the scratch only once every tile has read it.
-        tl.debug_barrier()
+    """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
+    folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
+    (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and the
+    read copy rebuilt from it. Every other row returns after two loads (the step kernel's)."""
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+    if in_cache & (n == L - 1):
+        _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr, read_scale_ptr,
+                    ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale, num_k_heads, num_v_heads,
+                    K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch,
+                    s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE,
+                    RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
 
 
 @triton.jit

@@ -1,13 +1,13 @@
 """Jit pieces over a gated delta rule replay ring, shared by replay decode (``replay_kernels``)
-and speculative decoding (``speculative_kernels``): one ring token's key, gate and β, and one
-token applied to a state tile."""
+and speculative decoding (``speculative_kernels``): one ring token's key, gate and β, one
+token applied to a state tile, and a ring folded into state rows."""
 
 import triton
 import triton.language as tl
 
 from . import tile
 
-# Tokens per step of fold_rows, their loads in flight together (M, a power of two ≥ 16, is a multiple).
+# Tokens per step of fold_rows_streamed, their loads in flight together (M, a power of two ≥ 16, is a multiple).
 FOLD_TOKENS_PER_STEP: tl.constexpr = tl.constexpr(4)
 
 
@@ -38,13 +38,12 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
     """What folding ``count`` tokens into a state takes, for every row of one head: the tokens
     (oldest first, ``M ≥ count`` positions, zero past ``count``) are raw keys ``[M, BLOCK_K]``,
     log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``. With ``Γ_j = Σ_{i≤j} g_i``
-    (the decay from the state to token j), it returns ``(key_in, update, decay)``: ``key_in =
-    k̂_j e^{Γ_j}`` (what token j reads of the state, ``[M, BLOCK_K]``), ``update = diag(β) (I +
-    B)⁻ᵀ key_out`` (``[M, BLOCK_K]``: how a token's value, less its read, reaches the result),
-    with ``key_out = k̂_j e^{Γ_last − Γ_j}`` (what token j's correction leaves in the result) and
-    ``B_ji = β_j (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later
-    reads), β zero past ``count``; and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see
-    :func:`fold_rows`. ``PRECISION``: the ``tl.dot`` input precision of the Gram and update products."""
+    (the decay from the state to token j), it returns ``(key_in, key_out, inverse, beta, decay)``:
+    ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j e^{Γ_last − Γ_j}``
+    (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with ``B_ji = β_j
+    (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later reads), β
+    zero past ``count``, and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`.
+    ``PRECISION``: the Gram product's ``tl.dot`` input precision."""
     pos = tl.arange(0, M)
     live = pos < count
     keys = keys.to(tl.float32)
@@ -90,18 +89,35 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
         if (1 << s) < M:
             power = tl.dot(power, power, input_precision="ieee")
             inverse = tl.dot(inverse, identity + power, input_precision="ieee")
-    update = beta[:, None] * tl.dot(tl.trans(inverse), key_out, input_precision=PRECISION)
-    return key_in, update, decay
+    return key_in, key_out, inverse, beta, decay
 
 
 @triton.jit
-def fold_rows(S, decay, operands, ring_v, V, rows, row_mask, cols, count, M: tl.constexpr, BLOCK_K: tl.constexpr,
-              CHANNEL: tl.constexpr):
-    """The state rows ``S [BLOCK_V, BLOCK_K]`` after the ``count`` tokens of
-    :func:`fold_operands`: ``S e^{Γ_last} + Σ_j (v_j − S key_in_j) update_j``, where
-    ``(v_j − S key_in_j)`` over j, times ``diag(β) (I + B)⁻ᵀ``, are the tokens' corrections
-    ``d_j = β_j (v_j − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included: the token-by-token
-    fold's result, its sums in another order. ``operands`` holds ``key_in`` then ``update``
+def fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+    """The state rows ``S [BLOCK_V, BLOCK_K]`` after the tokens of :func:`fold_operands`
+    (``values [BLOCK_V, M]``: each token's v over these rows), in matrix form (products at
+    ``PRECISION``, accumulated in fp32): the
+    reads ``W = S key_inᵀ``, the corrections ``D = β (values − W) (I + B)⁻ᵀ`` (each token's
+    ``d = β (v − S_{j−1} diag(α_j) k̂_j)``, earlier corrections included), and ``S e^{Γ_last} +
+    D key_out``. The token-by-token fold's result, its sums in another order."""
+    reads = tl.dot(S, tl.trans(key_in), input_precision=PRECISION)  # [BLOCK_V, M]
+    corrections = tl.dot(beta[None, :] * (values - reads), tl.trans(inverse), input_precision=PRECISION)
+    return tile.apply_decay(S, decay, CHANNEL) + tl.dot(corrections, key_out, input_precision=PRECISION)
+
+
+@triton.jit
+def fold_update(key_out, inverse, beta, PRECISION: tl.constexpr):
+    """``update = diag(β) (I + B)⁻ᵀ key_out [M, BLOCK_K]`` from :func:`fold_operands`: row j is how
+    token j's ``v_j − S key_in_j`` reaches the folded state, so that :func:`fold_rows`'s result is
+    ``S e^{Γ_last} + (values − W) update`` (:func:`fold_rows_streamed`)."""
+    return beta[:, None] * tl.dot(tl.trans(inverse), key_out, input_precision=PRECISION)
+
+
+@triton.jit
+def fold_rows_streamed(S, decay, operands, ring_v, V, rows, row_mask, cols, count, M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, CHANNEL: tl.constexpr):
+    """:func:`fold_rows` one token at a time: ``S e^{Γ_last} + Σ_j (v_j − S key_in_j) update_j``
+    (``update`` from :func:`fold_update`) for ``count`` tokens, the same sum in another order. ``operands`` holds ``key_in`` then ``update``
     (``[2, M, BLOCK_K]`` fp32, written by the program before a barrier), ``ring_v`` the head's
     first ring value (token j's at ``j · V``). Every read is of the unfolded ``S``, so the terms
     are independent; fp32 FMAs, a token at a time, hold a tile's registers where products on

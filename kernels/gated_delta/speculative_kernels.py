@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, fold_operands, fold_rows, ring_token
+from .ring import apply_token, fold_operands, fold_rows_streamed, fold_update, ring_token
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -313,7 +313,9 @@ def _commit_fold_kernel(
         else:
             g = tl.load(ring_g_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
         beta = tl.load(ring_beta_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
-        key_in, update, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M, PRECISION)
+        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M,
+                                                              PRECISION)
+        update = fold_update(key_out, inverse, beta, PRECISION)
         tl.store(scratch + pos[:, None] * BLOCK_K + cols[None, :], key_in)
         tl.store(scratch + M * BLOCK_K + pos[:, None] * BLOCK_K + cols[None, :], update)
         tl.debug_barrier()
@@ -323,7 +325,7 @@ def _commit_fold_kernel(
             row_mask = rows < V
             S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
                                BLOCK_K)
-            S = fold_rows(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
+            S = fold_rows_streamed(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
                                    count, M, BLOCK_K, CHANNEL)
             # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
             flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)

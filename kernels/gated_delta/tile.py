@@ -18,6 +18,20 @@ L2_EPS: tl.constexpr = tl.constexpr(1e-6)
 SR_ROUNDS: tl.constexpr = tl.constexpr(7)
 
 
+def fold_tile(block_k: int, V: int, rows: int, warps: int, precision: str, on_gpu: bool,
+              interpreter_rows) -> tuple:
+    """``(BLOCK_V, num_warps, precision)`` of a program folding a ring into state rows (the replay
+    flush and the speculative commit): on a GPU ``rows`` rows at K = 128 (at least 16, at most
+    the padded V) on warps in proportion to the tile (a 64 × 128 tile on 8 warps faulted with an
+    illegal address on an H100); under the interpreter the whole V (or ``interpreter_rows``) on
+    4 warps in fp32."""
+    whole = triton.next_power_of_2(V)
+    if not on_gpu:
+        return interpreter_rows or whole, 4, "ieee"
+    block_v = max(16, min(rows * 128 // block_k, whole))
+    return block_v, max(1, min(warps, block_v * block_k * warps // (rows * 128))), precision
+
+
 @triton.jit
 def l2_normalized(x, L2NORM: tl.constexpr):
     """``x / sqrt(Σx² + eps)`` in fp32 with a correctly rounded root and quotient, as the
