@@ -61,8 +61,8 @@ VERIFY_V_LOOP = 16
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
 # (only without VERIFY_SPLIT).
 PREFETCH = True
-# The split verify (sweep → scratch, then a stream kernel of STREAM_ROWS × STREAM_WARPS). With row
-# sums in the stream it lost on an H100 (round 1602 / 1613 µs against 1499 / 1458 fused).
+# The split verify (sweep → scratch, then a stream kernel of STREAM_ROWS × STREAM_WARPS): its tl.dot
+# stream lost on an H100 (round 3504 / 3610 µs against 1459 / 1393 fused).
 VERIFY_SPLIT = False
 STREAM_ROWS = 32
 STREAM_WARPS = 4
