@@ -7,7 +7,8 @@ import triton.language as tl
 
 from . import tile
 
-# Tokens per step of fold_rows_streamed, their loads in flight together (M, a power of two ≥ 16, is a multiple).
+# Tokens per step of fold_rows_streamed, their loads in flight together (M, a power of two ≥ 16,
+# is a multiple).
 FOLD_TOKENS_PER_STEP: tl.constexpr = tl.constexpr(4)
 
 
@@ -116,12 +117,12 @@ def fold_update(key_out, inverse, beta, PRECISION: tl.constexpr):
 @triton.jit
 def fold_rows_streamed(S, decay, operands, ring_v, V, rows, row_mask, cols, count, M: tl.constexpr,
                        BLOCK_K: tl.constexpr, CHANNEL: tl.constexpr):
-    """:func:`fold_rows` one token at a time: ``S e^{Γ_last} + Σ_j (v_j − S key_in_j) update_j``
-    (``update`` from :func:`fold_update`) for ``count`` tokens, the same sum in another order. ``operands`` holds ``key_in`` then ``update``
-    (``[2, M, BLOCK_K]`` fp32, written by the program before a barrier), ``ring_v`` the head's
-    first ring value (token j's at ``j · V``). Every read is of the unfolded ``S``, so the terms
-    are independent; fp32 FMAs, a token at a time, hold a tile's registers where products on
-    tensor cores spilled."""
+    """:func:`fold_rows` token by token: ``S e^{Γ_last} + Σ_j (v_j − S key_in_j) update_j`` over
+    ``count`` tokens (``update`` from :func:`fold_update`), the same sum in another order.
+    ``operands`` holds ``key_in`` then ``update`` (``[2, M, BLOCK_K]`` fp32, written by the
+    program before a barrier), ``ring_v`` the head's first ring value (token j's at ``j · V``).
+    Every read is of the unfolded ``S``, so the terms are independent; fp32 FMAs hold a tile's
+    registers where products on tensor cores spilled."""
     folded = tile.apply_decay(S, decay, CHANNEL)
     for first in range(0, count, FOLD_TOKENS_PER_STEP):
         # A step's loads issue together; past count the operands are zero and v is masked

@@ -239,7 +239,8 @@ def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring
     _fold(grid, (num_accepted, slot_indices, fold_list, ck,
                  codec.storage_view(read, read_format) if read is not None else ck,
                  read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
-                 scratch, batch, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1], capacity), fold, on_gpu)
+                 scratch, batch, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1], capacity), fold,
+          on_gpu)
     _cursor(cursor_grid, (num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, batch, num_slots,
                           capacity - max_draft, capacity), cursor_constexprs, on_gpu)
 
