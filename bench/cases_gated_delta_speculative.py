@@ -267,22 +267,23 @@ def annotate(by_group):
 _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
-    "fold-64x8-1/sm": {"FOLD_ROWS": 64, "FOLD_WARPS": 8, "FOLD_PROGRAMS_PER_SM": 1},
-    "fold-128x8-1/sm": {"FOLD_ROWS": 128, "FOLD_WARPS": 8, "FOLD_PROGRAMS_PER_SM": 1},
-    "fold-64x8-128reg-2/sm": {"FOLD_ROWS": 64, "FOLD_WARPS": 8, "FOLD_MAXNREG": 128},
+    "fold-255reg-2/sm": {"FOLD_MAXNREG": None, "FOLD_PROGRAMS_PER_SM": 2},
+    "fold-168reg-3/sm": {"FOLD_MAXNREG": 168, "FOLD_PROGRAMS_PER_SM": 3},
+    "fold-104reg-5/sm": {"FOLD_MAXNREG": 104, "FOLD_PROGRAMS_PER_SM": 5},
 }
 
 
 def sweep_cases(device):
     """The verify's and commit fold's variants and tiles against the default (``bench.run_gpu --sweep
-    gated_delta_speculative``): the main layer at batch 256, T = 4, both reads."""
+    gated_delta_speculative``): both timed layers at batch 256, T = 4, both reads."""
     out = []
-    for read in READS:
-        for tag, constants in SWEEP.items():
-            case = replay_case(256, TIMED_LAYERS[0], 4, read, device)
-            case.group = f"sweep-{GROUP}"
-            case.name = f"{case.name}/{tag}"
-            case.params = dict(case.params, variant=tag, format=f"{case.params['format']} [{tag}]")
-            case.run = with_constants(_SPECULATIVE, constants, case.run)
-            out.append(case)
+    for layer in TIMED_LAYERS:
+        for read in READS:
+            for tag, constants in SWEEP.items():
+                case = replay_case(256, layer, 4, read, device)
+                case.group = f"sweep-{GROUP}"
+                case.name = f"{case.name}/{tag}"
+                case.params = dict(case.params, variant=tag, format=f"{case.params['format']} [{tag}]")
+                case.run = with_constants(_SPECULATIVE, constants, case.run)
+                out.append(case)
     return out

@@ -10,6 +10,9 @@ from . import tile
 # Tokens per step of fold_rows_streamed, their loads in flight together (M, a power of two ≥ 16,
 # is a multiple).
 FOLD_TOKENS_PER_STEP: tl.constexpr = tl.constexpr(4)
+# Key columns per pass of stage_fold_operands: [M, 32] pieces keep the operands' registers below
+# those of the state rows they are folded into (a power of two ≥ 16 for tl.dot, ≤ BLOCK_K).
+FOLD_KEY_COLUMNS: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
@@ -112,6 +115,98 @@ def fold_update(key_out, inverse, beta, PRECISION: tl.constexpr):
     token j's ``v_j − S key_in_j`` reaches the folded state, so that :func:`fold_rows`'s result is
     ``S e^{Γ_last} + (values − W) update`` (:func:`fold_rows_streamed`)."""
     return beta[:, None] * tl.dot(tl.trans(inverse), key_out, input_precision=PRECISION)
+
+
+@triton.jit
+def _staged_keys(ring_k, pos, live, first, norm, K, L2NORM: tl.constexpr):
+    """Columns ``first …`` (``FOLD_KEY_COLUMNS`` of them) of the ring's keys ``[M, 32]`` in fp32,
+    divided by their ``norm [M]`` when ``L2NORM``; zero past ``count`` tokens and past K."""
+    cols = first + tl.arange(0, FOLD_KEY_COLUMNS)
+    keys = tl.load(ring_k + pos[:, None] * K + cols[None, :], mask=live[:, None] & (cols < K)[None, :],
+                   other=0.0).to(tl.float32)
+    if L2NORM:
+        keys = tl.div_rn(keys, norm[:, None] + tl.zeros_like(keys))
+    return keys
+
+
+@triton.jit
+def _staged_gamma(ring_g, pos, live, first, K):
+    """KDA: columns ``first …`` of ``Γ_j = Σ_{i≤j} g_i`` ``[M, 32]`` (zero past ``count`` and K)."""
+    cols = first + tl.arange(0, FOLD_KEY_COLUMNS)
+    g = tl.load(ring_g + pos[:, None] * K + cols[None, :], mask=live[:, None] & (cols < K)[None, :], other=0.0)
+    return tl.cumsum(g.to(tl.float32), axis=0)
+
+
+@triton.jit
+def stage_fold_operands(scratch, ring_k, ring_g, ring_beta, count, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
+                        M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """:func:`fold_operands` then :func:`fold_update` of one head's ring (pointers at its first
+    entry: keys ``[·, K]``, log-gates, β), ``FOLD_KEY_COLUMNS`` key columns at a time, stored to
+    ``scratch``: ``key_in [M, BLOCK_K]`` and ``update [M, BLOCK_K]`` (zero past K and ``count``)
+    and, KDA, ``e^{Γ_last} [BLOCK_K]``. Returns ``e^{Γ_last}`` (GDN; KDA: 1, the row is
+    in the scratch). Only ``[M, M]`` and ``[M, 32]`` pieces live at once, so a kernel that folds
+    state rows after it keeps its rows' registers; the caller places a barrier before reading."""
+    pos = tl.arange(0, M)
+    live = pos < count
+    kc = tl.arange(0, FOLD_KEY_COLUMNS)
+    beta = tl.load(ring_beta + pos, mask=live, other=0.0).to(tl.float32)
+    norm = tl.full([M], 1.0, tl.float32)
+    if L2NORM:
+        squares = tl.zeros([M], tl.float32)
+        for first in range(0, BLOCK_K, FOLD_KEY_COLUMNS):
+            keys = _staged_keys(ring_k, pos, live, first, norm, K, False)
+            squares += tl.sum(keys * keys, axis=1)
+        norm = tl.sqrt_rn(squares + tile.L2_EPS)
+    before = pos[None, :] < pos[:, None]  # [M, M]: i < j
+    B = tl.zeros([M, M], tl.float32)
+    if CHANNEL:
+        # B's columns one token at a time (a loop, not unrolled: registers): the decays between
+        # two tokens differ per channel.
+        for first in range(0, BLOCK_K, FOLD_KEY_COLUMNS):
+            keys = _staged_keys(ring_k, pos, live, first, norm, K, L2NORM)  # [M, 32]
+            gamma = _staged_gamma(ring_g, pos, live, first, K)
+            for i in range(0, count):
+                at_i = (pos == i)[:, None]
+                key_i = tl.sum(tl.where(at_i, keys, 0.0), axis=0)  # [32]
+                gamma_i = tl.sum(tl.where(at_i, gamma, 0.0), axis=0)
+                decays = tl.exp(tl.minimum(gamma - gamma_i[None, :], 0.0))  # exponent ≤ 0 where it counts
+                column = tl.sum(keys * decays * key_i[None, :], axis=1)  # [M]
+                B += tl.where((pos == i)[None, :], column[:, None], 0.0)
+        B = tl.where(before, B, 0.0)
+        decay = 1.0
+    else:
+        g = tl.load(ring_g + pos, mask=live, other=0.0).to(tl.float32)
+        gamma = tl.cumsum(g, axis=0)  # [M]
+        last = tl.sum(tl.where(pos == count - 1, gamma, 0.0), axis=0)
+        for first in range(0, BLOCK_K, FOLD_KEY_COLUMNS):
+            keys = _staged_keys(ring_k, pos, live, first, norm, K, L2NORM)
+            B += tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # the Gram product, [M, M]
+        B = tl.where(before, B * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        decay = tl.exp(last)
+    B = beta[:, None] * B
+    identity = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
+    # (I + B)⁻¹ as in fold_operands: log2(M) products of the strictly lower triangular B.
+    power = -B
+    inverse = identity + power
+    for s in tl.static_range(1, 8):
+        if (1 << s) < M:
+            power = tl.dot(power, power, input_precision="ieee")
+            inverse = tl.dot(inverse, identity + power, input_precision="ieee")
+    for first in range(0, BLOCK_K, FOLD_KEY_COLUMNS):
+        keys = _staged_keys(ring_k, pos, live, first, norm, K, L2NORM)
+        if CHANNEL:
+            gamma = _staged_gamma(ring_g, pos, live, first, K)
+            last = tl.sum(tl.where((pos == count - 1)[:, None], gamma, 0.0), axis=0)  # [32]
+            key_in = keys * tl.exp(gamma)
+            key_out = keys * tl.exp(last[None, :] - gamma)
+            tl.store(scratch + 2 * M * BLOCK_K + first + kc, tl.exp(last))
+        else:
+            key_in = keys * tl.exp(gamma)[:, None]
+            key_out = keys * tl.exp(last - gamma)[:, None]
+        piece = pos[:, None] * BLOCK_K + first + kc[None, :]
+        tl.store(scratch + piece, key_in)
+        tl.store(scratch + M * BLOCK_K + piece, fold_update(key_out, inverse, beta, PRECISION))
+    return decay
 
 
 @triton.jit

@@ -18,9 +18,9 @@ tokens; and the per-draft-state baseline of serving engines.
 * ``_commit_list_kernel``, one program: the rows whose commit brings their committed tokens to
   ``ring_len`` or more, listed with their count.
 * ``_commit_fold_kernel``, ``FOLD_PROGRAMS_PER_SM`` programs per multiprocessor walking the
-  listed rows' value heads: per head, the fold's operands once (the replay flush's matrix form:
-  ``key_in`` and ``update = diag(β) (I + B)⁻ᵀ key_out``, products at ``FOLD_PRECISION`` on a
-  GPU) into the program's scratch, then per ``BLOCK_V'`` rows of V the checkpoint folded from
+  listed rows' value heads: per head, the fold's operands once (``key_in`` and ``update =
+  diag(β) (I + B)⁻ᵀ key_out``, built 32 key columns at a time so only ``[M, M]`` and ``[M, 32]``
+  pieces hold registers, products at ``FOLD_PRECISION`` on a GPU) into the program's scratch, then per ``BLOCK_V'`` rows of V the checkpoint folded from
   the stored checkpoint four committed tokens a step in fp32 FMAs (``S e^{Γ} + Σ_j (v_j − S
   key_in_j) update_j``), stored, and the read copy rebuilt.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
@@ -73,9 +73,9 @@ STREAM_PRECISION = "ieee"
 FOLD_ROWS = 32
 FOLD_WARPS = 4
 FOLD_PRECISION = "tf32x3"
-FOLD_PROGRAMS_PER_SM = 2
-# A register cap for the fold (None: the compiler's 255 with some spills).
-FOLD_MAXNREG = None
+FOLD_PROGRAMS_PER_SM = 4
+# A register cap for the fold (None: the compiler's 255), 128 for FOLD_PROGRAMS_PER_SM of 4.
+FOLD_MAXNREG = 128
 # (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
 INTERPRETER_SPLIT = None
@@ -234,8 +234,8 @@ def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring
     fold_list = torch.empty(batch + 1, dtype=torch.int32, device=checkpoint.device)
     _list((1,), (num_accepted, slot_indices, cursor, drafts, fold_list, batch, num_slots, capacity - max_draft,
                  capacity), cursor_constexprs, on_gpu)
-    # Per call as well: each fold program's operands, [programs, 2, M, BLOCK_K] fp32.
-    scratch = torch.empty(grid[0] * 2 * fold["M"] * fold["BLOCK_K"], dtype=torch.float32, device=checkpoint.device)
+    # Per call as well: each fold program's operands, [programs, 2 M + 1, BLOCK_K] fp32.
+    scratch = torch.empty(grid[0] * (2 * fold["M"] + 1) * fold["BLOCK_K"], dtype=torch.float32, device=checkpoint.device)
     _fold(grid, (num_accepted, slot_indices, fold_list, ck,
                  codec.storage_view(read, read_format) if read is not None else ck,
                  read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,

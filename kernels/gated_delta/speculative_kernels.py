@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, fold_operands, fold_rows_streamed, fold_update, ring_token
+from .ring import apply_token, fold_rows_streamed, ring_token, stage_fold_operands
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -287,38 +287,30 @@ def _commit_fold_kernel(
     BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_K)
-    col_mask = cols < K
-    pos = tl.arange(0, M)
-    # The program's scratch [2, M, BLOCK_K]: the current head's key_in and update rows, read back
-    # per V tile instead of held in registers across the tiles.
-    scratch = scratch_ptr + tl.program_id(0) * (2 * M * BLOCK_K)
+    # The program's scratch [2 M + 1, BLOCK_K]: the current head's key_in and update rows (and
+    # KDA's decay), read back per V tile instead of held in registers across the tiles.
+    scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
     # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
     for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
         b = tl.load(fold_list_ptr + item // num_v_heads)
         h = item % num_v_heads
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
-        # checkpoint in fp32 from the checkpoint itself (not the read copy), in matrix form; then
+        # checkpoint in fp32 from the checkpoint itself (not the read copy), four tokens a step; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
         # moves the cursor to 0.
         count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
-        committed = pos < count
         ring_head = slot * num_v_heads + h
         ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
-        keys = tl.load(ring_k + pos[:, None] * K + cols[None, :], mask=committed[:, None] & col_mask[None, :],
-                       other=0.0)  # [M, BLOCK_K]
         if CHANNEL:
-            g = tl.load(ring_g_ptr + ring_head * capacity * K + pos[:, None] * K + cols[None, :],
-                        mask=committed[:, None] & col_mask[None, :], other=0.0)
+            ring_g = ring_g_ptr + ring_head * capacity * K
         else:
-            g = tl.load(ring_g_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
-        beta = tl.load(ring_beta_ptr + ring_head * capacity + pos, mask=committed, other=0.0)
-        key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, count, cols, K, L2NORM, CHANNEL, M,
-                                                              PRECISION)
-        update = fold_update(key_out, inverse, beta, PRECISION)
-        tl.store(scratch + pos[:, None] * BLOCK_K + cols[None, :], key_in)
-        tl.store(scratch + M * BLOCK_K + pos[:, None] * BLOCK_K + cols[None, :], update)
+            ring_g = ring_g_ptr + ring_head * capacity
+        decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K, L2NORM,
+                                    CHANNEL, M, BLOCK_K, PRECISION)
         tl.debug_barrier()
+        if CHANNEL:
+            decay = tl.load(scratch + 2 * M * BLOCK_K + cols)
         head = ring_head * V * K
         for v_tile in range(NUM_V_TILES):
             rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
