@@ -69,12 +69,12 @@ STREAM_WARPS = 4
 # The stream's R Qᵀ and V_ring C_ringᵀ products on a GPU ("ieee": fp32 FMAs).
 STREAM_PRECISION = "ieee"
 # Commit fold: rows of V per tile at K = 128, warps, programs per multiprocessor (H100, batch 256,
-# T = 4 round: 1311 / 1207 µs against 1372 / 1370 at 64 rows, 8 warps, one program); TF32x3 operands.
+# T = 4 round, Kimi-Linear: 978 / 932 µs against 1094 / 1018 at two uncapped); TF32x3 operands.
 FOLD_ROWS = 32
 FOLD_WARPS = 4
 FOLD_PRECISION = "tf32x3"
 FOLD_PROGRAMS_PER_SM = 4
-# A register cap for the fold (None: the compiler's 255), 128 for FOLD_PROGRAMS_PER_SM of 4.
+# A register cap for the fold (None: the compiler's 255): 128 lets FOLD_PROGRAMS_PER_SM = 4 fit.
 FOLD_MAXNREG = 128
 # (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
