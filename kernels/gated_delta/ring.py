@@ -37,6 +37,21 @@ def apply_token(S, k, v, alpha, beta, CHANNEL: tl.constexpr):
 
 
 @triton.jit
+def unit_lower_inverse(B, pos, M: tl.constexpr):
+    """``(I + B)⁻¹ [M, M]`` of a strictly lower triangular ``B`` (``pos = arange(M)``): with ``B^M =
+    0``, ``Σ_k (−B)^k = Π_s (I + (−B)^(2^s))``, log2(M) small fp32 products instead of M dependent
+    substitution steps."""
+    identity = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
+    power = -B
+    inverse = identity + power
+    for s in tl.static_range(1, 8):
+        if (1 << s) < M:
+            power = tl.dot(power, power, input_precision="ieee")
+            inverse = tl.dot(inverse, identity + power, input_precision="ieee")
+    return inverse
+
+
+@triton.jit
 def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
                   M: tl.constexpr, PRECISION: tl.constexpr):
     """What folding ``count`` tokens into a state takes, for every row of one head: the tokens
@@ -83,17 +98,7 @@ def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: 
         gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [M, M]
         B = tl.where(before, gram * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
         decay = tl.exp(last)
-    B = beta[:, None] * B
-    identity = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
-    # B is strictly lower triangular (B^M = 0): (I + B)⁻¹ = Σ_k (−B)^k = Π_s (I + (−B)^(2^s)),
-    # log2(M) small products instead of M dependent substitution steps.
-    power = -B
-    inverse = identity + power
-    for s in tl.static_range(1, 8):
-        if (1 << s) < M:
-            power = tl.dot(power, power, input_precision="ieee")
-            inverse = tl.dot(inverse, identity + power, input_precision="ieee")
-    return key_in, key_out, inverse, beta, decay
+    return key_in, key_out, unit_lower_inverse(beta[:, None] * B, pos, M), beta, decay
 
 
 @triton.jit
@@ -183,15 +188,7 @@ def stage_fold_operands(scratch, ring_k, ring_g, ring_beta, count, K, L2NORM: tl
             B += tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # the Gram product, [M, M]
         B = tl.where(before, B * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
         decay = tl.exp(last)
-    B = beta[:, None] * B
-    identity = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
-    # (I + B)⁻¹ as in fold_operands: log2(M) products of the strictly lower triangular B.
-    power = -B
-    inverse = identity + power
-    for s in tl.static_range(1, 8):
-        if (1 << s) < M:
-            power = tl.dot(power, power, input_precision="ieee")
-            inverse = tl.dot(inverse, identity + power, input_precision="ieee")
+    inverse = unit_lower_inverse(beta[:, None] * B, pos, M)
     for first in range(0, BLOCK_K, FOLD_KEY_COLUMNS):
         keys = _staged_keys(ring_k, pos, live, first, norm, K, L2NORM)
         if CHANNEL:
