@@ -267,9 +267,13 @@ def annotate(by_group):
 _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
-    "fold-255reg-2/sm": {"FOLD_MAXNREG": None, "FOLD_PROGRAMS_PER_SM": 2},
-    "fold-168reg-3/sm": {"FOLD_MAXNREG": 168, "FOLD_PROGRAMS_PER_SM": 3},
-    "fold-104reg-5/sm": {"FOLD_MAXNREG": 104, "FOLD_PROGRAMS_PER_SM": 5},
+    "fused": {"VERIFY_DOT": False, "VERIFY_SPLIT": False},
+    "dot-16x1x8": {"VERIFY_DOT": True},
+    "dot-32x1x4": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_V_LOOP": 4},
+    "dot-32x2x4": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_WARPS": 2, "VERIFY_DOT_V_LOOP": 4},
+    "dot-64x4x2": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 64, "VERIFY_DOT_WARPS": 4, "VERIFY_DOT_V_LOOP": 2},
+    "split-tf32x3-32x4": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3"},
+    "split-tf32x3-16x1": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3", "STREAM_ROWS": 16, "STREAM_WARPS": 1},
 }
 
 

@@ -56,7 +56,7 @@ def _verify_kernel(
     CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
     HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -162,6 +162,19 @@ def _verify_kernel(
         else:
             newest_first = n - 1 - ring_slots
             causal = ts[None, :] <= ts[:, None]  # [chain, draft position]
+            if DOT:
+                # The chains widened to DOT_T rows (past T zero), the products' smallest tile.
+                chains = tl.arange(0, DOT_T)
+                Q_wide = tl.zeros([DOT_T, BLOCK_K], tl.float32)
+                c_ring_wide = tl.zeros([DOT_T, RING_PAD], tl.float32)
+                c_draft_wide = tl.zeros([DOT_T, BLOCK_T], tl.float32)
+                for t in tl.static_range(T):
+                    pick = ts[:, None] == t
+                    row_t = chains[:, None] == t
+                    Q_wide = tl.where(row_t, tl.sum(tl.where(pick, Q, 0.0), axis=0)[None, :], Q_wide)
+                    c_ring_wide = tl.where(row_t, tl.sum(tl.where(pick, c_ring, 0.0), axis=0)[None, :], c_ring_wide)
+                    c_draft_wide = tl.where(row_t, tl.sum(tl.where(pick, c_draft, 0.0), axis=0)[None, :],
+                                            c_draft_wide)
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
                 row_mask = rows < V
@@ -173,20 +186,34 @@ def _verify_kernel(
                     next_rows = rows + BLOCK_V
                     codes, scale = tile.load_raw(base_codes + head, base_scale, next_rows, cols, next_rows < V, K, K,
                                                  base_scaled, BASE_GRAN, BLOCK_K)
-                out_tile = is_t[:, None] & row_mask[None, :]
-                v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
-                tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
-                         mask=out_tile)
                 ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
                                   mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
-                o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
-                o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
-                                     0.0), axis=1)
-                for t in tl.static_range(T):
-                    Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
-                    o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
-                flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-                tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
+                if DOT:
+                    # R Qᵀ and the ring's Σ c v as products on tensor cores, [DOT_T, BLOCK_V]; the
+                    # drafts' terms selected per chain (a later draft's NaN must not reach it).
+                    out_tile = (chains < T)[:, None] & row_mask[None, :]
+                    o = tl.dot(Q_wide, tl.trans(base), input_precision=PRECISION)
+                    o = tl.dot(c_ring_wide, ring_vs, acc=o, input_precision=PRECISION)
+                    for p in tl.static_range(T):
+                        v_p = tl.load(v_row + p * s_v_t + rows, mask=row_mask, other=0.0)
+                        tl.store(ring_v + (n + p) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+                        c_p = tl.sum(tl.where(ts[None, :] == p, c_draft_wide, 0.0), axis=1)  # [DOT_T]
+                        o = tl.where((chains >= p)[:, None], o + c_p[:, None] * v_p.to(tl.float32)[None, :], o)
+                    flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
+                    tile.store_output(out_row, o, chains[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
+                else:
+                    out_tile = is_t[:, None] & row_mask[None, :]
+                    v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
+                    tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
+                             mask=out_tile)
+                    o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
+                    o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
+                                         0.0), axis=1)
+                    for t in tl.static_range(T):
+                        Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
+                        o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
+                    flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
+                    tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
 
 
 @triton.jit

@@ -115,25 +115,34 @@ class Shadow:
 
 
 CASES = [
-    # (channel, ring_len, max_draft, T, checkpoint, read, split, verify_split, rounds)
-    (False, 4, 3, 3, "fp32", None, None, True, 6),
-    (True, 4, 4, 3, "fp32", "fp8_e4m3:row", (4, 2), True, 3),
-    (False, 5, 2, 2, "bf16", "int8:row", None, True, 6),
-    (True, 4, 3, 3, "fp32", "int8:row", (4, 2), False, 4),
-    (False, 4, 3, 3, "fp32", None, None, False, 4),
+    # (channel, ring_len, max_draft, T, checkpoint, read, split, verify, rounds)
+    (False, 4, 3, 3, "fp32", None, None, "split", 6),
+    (True, 4, 4, 3, "fp32", "fp8_e4m3:row", (4, 2), "split", 3),
+    (False, 5, 2, 2, "bf16", "int8:row", None, "split", 6),
+    (True, 4, 3, 3, "fp32", "int8:row", (4, 2), "fused", 4),
+    (False, 4, 3, 3, "fp32", None, None, "fused", 4),
+    (True, 4, 3, 3, "fp32", "fp8_e4m3:row", None, "dot", 4),
+    (False, 5, 2, 2, "bf16", None, None, "dot", 5),
 ]
 
 
-@pytest.mark.parametrize("channel,ring_len,max_draft,T,checkpoint,read,split,verify_split,rounds", CASES)
+def use_verify(monkeypatch, verify):
+    """Run the ``verify`` variant: "split" (sweep, then stream kernel), "fused" (row sums) or "dot"
+    (fused, products on tensor cores)."""
+    from qstate.kernels.gated_delta import speculative
+    monkeypatch.setattr(speculative, "VERIFY_SPLIT", verify == "split")
+    monkeypatch.setattr(speculative, "VERIFY_DOT", verify == "dot")
+
+
+@pytest.mark.parametrize("channel,ring_len,max_draft,T,checkpoint,read,split,verify,rounds", CASES)
 def test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, channel, ring_len, max_draft, T,
-                                                                  checkpoint, read, split, verify_split, rounds):
+                                                                  checkpoint, read, split, verify, rounds):
     """Staggered slots, padding rows, random acceptance counts; flushes at commits checked.
     ``split``: the GPU's launch shape (V over 2 programs of 2 chunks, loading a chunk ahead; the
-    stream kernel over 2 programs); ``verify_split``: the sweep-then-stream verify, else the
-    fused one."""
+    stream kernel over 2 programs); ``verify``: the verify variant (:func:`use_verify`)."""
     from qstate.kernels.gated_delta import speculative
     monkeypatch.setattr(speculative, "INTERPRETER_SPLIT", split)
-    monkeypatch.setattr(speculative, "VERIFY_SPLIT", verify_split)
+    use_verify(monkeypatch, verify)
     g = torch.Generator().manual_seed(1)
     cache = allocate(4, channel=channel, ring_len=ring_len, max_draft=max_draft, read=read, checkpoint=checkpoint)
     state0 = torch.randn(4, HV, V, K, generator=g)
@@ -185,12 +194,14 @@ def test_any_acceptance_sequence_equals_sequential_decode(accepted):
     shadow.check_sequential(state0)
 
 
-def test_a_nan_in_a_rejected_draft_reaches_no_accepted_output_and_no_other_slot(monkeypatch):
+@pytest.mark.parametrize("verify", ["fused", "dot"])
+def test_a_nan_in_a_rejected_draft_reaches_no_accepted_output_and_no_other_slot(monkeypatch, verify):
     """Draft 1 of slot 0 holds NaN in one input at a time and is rejected: draft 0's output, the
     next round (after both slots' flushes) and slot 1 are bit for bit those of a run where that
     draft was finite; the flags mark slot 0 only (the NaN reached draft 1's own output).
     The host's value checks are off, as on a GPU (they would refuse a NaN gate or β)."""
     monkeypatch.setattr(spec._gated_delta_checks, "check_values", lambda g, beta: None)
+    use_verify(monkeypatch, verify)
 
     def run(poison):
         cache = allocate(2, channel=False, ring_len=1, max_draft=2, read="fp8_e4m3:row", V=8)
