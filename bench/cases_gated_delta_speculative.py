@@ -267,13 +267,13 @@ def annotate(by_group):
 _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
-    "fused": {"VERIFY_DOT": False, "VERIFY_SPLIT": False},
+    "fused-168reg": {"VERIFY_MAXNREG": 168},
+    "fused-128reg": {"VERIFY_MAXNREG": 128},
     "dot-16x1x8": {"VERIFY_DOT": True},
+    "dot-16x1x8-168reg": {"VERIFY_DOT": True, "VERIFY_MAXNREG": 168},
     "dot-32x1x4": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_V_LOOP": 4},
     "dot-32x2x4": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_WARPS": 2, "VERIFY_DOT_V_LOOP": 4},
-    "dot-64x4x2": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 64, "VERIFY_DOT_WARPS": 4, "VERIFY_DOT_V_LOOP": 2},
     "split-tf32x3-32x4": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3"},
-    "split-tf32x3-16x1": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3", "STREAM_ROWS": 16, "STREAM_WARPS": 1},
 }
 
 

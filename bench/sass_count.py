@@ -180,10 +180,10 @@ def launch_conventional(text):
     return launches
 
 
-def _gpu_plans(module):
-    """Make ``module``'s launch plans those of a GPU launch (its ``_plan`` takes the device)."""
-    plan = module._plan
-    module._plan = lambda *a: plan(*(torch.device("cuda") if isinstance(x, torch.device) else x for x in a))
+def _gpu_plans(module, name="_plan"):
+    """Make ``module``'s launch plans those of a GPU launch (its plan ``name`` takes the device)."""
+    plan = getattr(module, name)
+    setattr(module, name, lambda *a: plan(*(torch.device("cuda") if isinstance(x, torch.device) else x for x in a)))
 
 
 def _gdn_token(batch, HK, HV, K, V):
@@ -217,9 +217,24 @@ def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH):
     return launches
 
 
+def launch_gdn_verify(read, T=4, batch=BATCH):
+    import qstate
+    from qstate.kernels.gated_delta import speculative
+    _gpu_plans(speculative, "_verify_plan")
+    launches = record(speculative, ["_verify_kernel", "_verify_stream_kernel"])
+    HK, HV, K, V = GDN_LAYER
+    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
+                                                  device="cpu", max_draft=T)
+    token = _gdn_token(batch * T, HK, HV, K, V)
+    drafts = {name: x.reshape(batch, T, *x.shape[1:]) for name, x in token.items()}
+    qstate.gated_delta_replay_verify(cache, **drafts, out=_bf16(batch, T, HV, V))
+    return launches
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("op", choices=("replay", "verify", "conventional", "gdn-conventional", "gdn-replay"))
+    parser.add_argument("op", choices=("replay", "verify", "conventional", "gdn-conventional", "gdn-replay",
+                                            "gdn-verify"))
     parser.add_argument("--read", default="fp8_e4m3:row", help="read copy of replay/verify ('none': none)")
     parser.add_argument("--checkpoint", default="fp32", help="checkpoint format of replay")
     parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
@@ -232,7 +247,8 @@ def main(argv=None) -> int:
     launches = {"replay": lambda: launch_replay(read, args.checkpoint), "verify": lambda: launch_verify(read),
                 "conventional": lambda: launch_conventional(args.format),
                 "gdn-conventional": lambda: launch_gdn_conventional(args.format),
-                "gdn-replay": lambda: launch_gdn_replay(read, args.checkpoint)}[args.op]()
+                "gdn-replay": lambda: launch_gdn_replay(read, args.checkpoint),
+                "gdn-verify": lambda: launch_gdn_verify(read)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
         registers, shared, local, instructions = count(compiled)

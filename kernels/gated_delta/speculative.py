@@ -58,6 +58,8 @@ ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
 VERIFY_TILE_ROWS = 8
 VERIFY_WARPS = 1
 VERIFY_V_LOOP = 16
+# A register cap for the verify (None: the compiler's 255, one-warp programs at 8 per multiprocessor).
+VERIFY_MAXNREG = None
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
 # (only without VERIFY_SPLIT).
 PREFETCH = True
@@ -148,7 +150,8 @@ def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop,
                       PREFETCH=PREFETCH and not split, SPLIT=split, DOT=dot, DOT_T=max(16, block_t),
-                      PRECISION=VERIFY_DOT_PRECISION if on_gpu else "ieee", num_warps=warps)
+                      PRECISION=VERIFY_DOT_PRECISION if on_gpu else "ieee", num_warps=warps,
+                      **register_cap(VERIFY_MAXNREG, device))
     grid = (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch)
     if not split:
         return grid, constexprs, None, None, 0

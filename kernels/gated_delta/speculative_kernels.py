@@ -194,11 +194,11 @@ def _verify_kernel(
                     out_tile = (chains < T)[:, None] & row_mask[None, :]
                     o = tl.dot(Q_wide, tl.trans(base), input_precision=PRECISION)
                     o = tl.dot(c_ring_wide, ring_vs, acc=o, input_precision=PRECISION)
-                    for p in tl.static_range(T):
-                        v_p = tl.load(v_row + p * s_v_t + rows, mask=row_mask, other=0.0)
-                        tl.store(ring_v + (n + p) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-                        c_p = tl.sum(tl.where(ts[None, :] == p, c_draft_wide, 0.0), axis=1)  # [DOT_T]
-                        o = tl.where((chains >= p)[:, None], o + c_p[:, None] * v_p.to(tl.float32)[None, :], o)
+                    for draft in tl.static_range(T):
+                        v_p = tl.load(v_row + draft * s_v_t + rows, mask=row_mask, other=0.0)
+                        tl.store(ring_v + (n + draft) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+                        c_p = tl.sum(tl.where(ts[None, :] == draft, c_draft_wide, 0.0), axis=1)  # [DOT_T]
+                        o = tl.where((chains >= draft)[:, None], o + c_p[:, None] * v_p.to(tl.float32)[None, :], o)
                     flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
                     tile.store_output(out_row, o, chains[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
                 else:
