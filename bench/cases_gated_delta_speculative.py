@@ -268,11 +268,12 @@ _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
     "fused-168reg": {"VERIFY_MAXNREG": 168},
-    "fused-128reg": {"VERIFY_MAXNREG": 128},
     "dot-16x1x8": {"VERIFY_DOT": True},
-    "dot-16x1x8-168reg": {"VERIFY_DOT": True, "VERIFY_MAXNREG": 168},
     "dot-32x1x4": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_V_LOOP": 4},
+    "dot-32x1x4-168reg": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_V_LOOP": 4,
+                          "VERIFY_MAXNREG": 168},
     "dot-32x2x4": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_WARPS": 2, "VERIFY_DOT_V_LOOP": 4},
+    "dot-64x4x2": {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 64, "VERIFY_DOT_WARPS": 4, "VERIFY_DOT_V_LOOP": 2},
     "split-tf32x3-32x4": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3"},
 }
 

@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from ..common import codec, gpu, sizes
+from ..common import codec, exact_dot, gpu, sizes
 from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
@@ -150,6 +150,7 @@ def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop,
                       PREFETCH=PREFETCH and not split, SPLIT=split, DOT=dot, DOT_T=max(16, block_t),
+                      BASE_EXACT=dot and exact_dot.exact_in_bf16(rd_fmt if rd_fmt is not None else ck_fmt),
                       PRECISION=VERIFY_DOT_PRECISION if on_gpu else "ieee", num_warps=warps,
                       **register_cap(VERIFY_MAXNREG, device))
     grid = (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch)

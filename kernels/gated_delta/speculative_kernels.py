@@ -6,6 +6,8 @@
 import triton
 import triton.language as tl
 
+from ..common import exact_dot
+from ..common.constants import GRAN_HEAD, GRAN_NONE, GRAN_ROW
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 from .ring import apply_token, fold_rows_streamed, ring_token, stage_fold_operands
@@ -56,7 +58,8 @@ def _verify_kernel(
     CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
     HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr, BASE_EXACT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -181,27 +184,42 @@ def _verify_kernel(
                 if not PREFETCH:
                     codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, row_mask, K, K,
                                                  base_scaled, BASE_GRAN, BLOCK_K)
-                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                if DOT and BASE_EXACT:
+                    base = exact_dot.bf16_codes(codes, BASE_DTYPE, HW)
+                else:
+                    base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                if DOT and BASE_EXACT and BASE_GRAN != GRAN_NONE:
+                    row_scale = scale  # the codes' scale multiplies the exact product
                 if PREFETCH and chunk + 1 < V_LOOP:
                     next_rows = rows + BLOCK_V
                     codes, scale = tile.load_raw(base_codes + head, base_scale, next_rows, cols, next_rows < V, K, K,
                                                  base_scaled, BASE_GRAN, BLOCK_K)
-                ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
-                                  mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
                 if DOT:
-                    # R Qᵀ and the ring's Σ c v as products on tensor cores, [DOT_T, BLOCK_V]; the
-                    # drafts' terms selected per chain (a later draft's NaN must not reach it).
-                    out_tile = (chains < T)[:, None] & row_mask[None, :]
-                    o = tl.dot(Q_wide, tl.trans(base), input_precision=PRECISION)
-                    o = tl.dot(c_ring_wide, ring_vs, acc=o, input_precision=PRECISION)
+                    # R Qᵀ and the ring's Σ c v as products on tensor cores, [BLOCK_V, DOT_T] (R's codes
+                    # exact in bf16: exact products, else PRECISION); the drafts' terms selected per
+                    # chain (a later draft's NaN must not reach it).
+                    if BASE_EXACT:
+                        o = exact_dot.dot_columns(base, Q_wide, 3, HW)
+                        if BASE_GRAN == GRAN_ROW:
+                            o = o * row_scale[:, None]
+                        elif BASE_GRAN == GRAN_HEAD:
+                            o = o * row_scale
+                    else:
+                        o = tl.dot(base, tl.trans(Q_wide), input_precision=PRECISION)
+                    ring_vs = tl.load(ring_v + newest_first[None, :] * V + rows[:, None],
+                                      mask=(ring_slots < n)[None, :] & row_mask[:, None], other=0.0).to(tl.float32)
+                    o = tl.dot(ring_vs, tl.trans(c_ring_wide), acc=o, input_precision=PRECISION)
                     for draft in tl.static_range(T):
                         v_p = tl.load(v_row + draft * s_v_t + rows, mask=row_mask, other=0.0)
                         tl.store(ring_v + (n + draft) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
                         c_p = tl.sum(tl.where(ts[None, :] == draft, c_draft_wide, 0.0), axis=1)  # [DOT_T]
-                        o = tl.where((chains >= draft)[:, None], o + c_p[:, None] * v_p.to(tl.float32)[None, :], o)
+                        o = tl.where((chains >= draft)[None, :], o + v_p.to(tl.float32)[:, None] * c_p[None, :], o)
+                    out_tile = row_mask[:, None] & (chains < T)[None, :]
                     flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-                    tile.store_output(out_row, o, chains[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
+                    tile.store_output(out_row, o, rows[:, None] + chains[None, :] * s_out_t, out_tile, OUT_BF16, HW)
                 else:
+                    ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
+                                      mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
                     out_tile = is_t[:, None] & row_mask[None, :]
                     v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
                     tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
