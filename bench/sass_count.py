@@ -9,6 +9,7 @@ tiles before a GPU run; the GPU sweep decides.
     python3 -m bench.sass_count conventional --format int8:row
     python3 -m bench.sass_count gdn-conventional --format int8:row
     python3 -m bench.sass_count gdn-replay --read fp8_e4m3:row
+    python3 -m bench.sass_count gdn-verify --read fp8_e4m3:row     (gdn-commit: the commit's kernels)
 
 Shapes: the Nemotron-H-8B layer (128 heads × 64 × 128, 8 groups), batch 256, bf16 inputs,
 ring 16, T = 4. Per kernel it prints registers, instructions per thread in the listing, and
@@ -231,10 +232,25 @@ def launch_gdn_verify(read, T=4, batch=BATCH):
     return launches
 
 
+def launch_gdn_commit(read, T=4, batch=BATCH):
+    import qstate
+    from qstate.kernels.gated_delta import speculative
+    _gpu_plans(speculative, "_commit_plan")
+    speculative.gpu.sm_count = lambda device: 132
+    launches = record(speculative, ["_commit_list_kernel", "_commit_fold_kernel", "_commit_cursor_kernel"])
+    HK, HV, K, V = GDN_LAYER
+    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
+                                                  device="cpu", max_draft=T)
+    speculative.launch_commit(torch.full((batch,), T, dtype=torch.int32), None, *cache.tensors().values(),
+                              checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, max_draft=T,
+                              use_qk_l2norm=True)
+    return launches
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=("replay", "verify", "conventional", "gdn-conventional", "gdn-replay",
-                                            "gdn-verify"))
+                                            "gdn-verify", "gdn-commit"))
     parser.add_argument("--read", default="fp8_e4m3:row", help="read copy of replay/verify ('none': none)")
     parser.add_argument("--checkpoint", default="fp32", help="checkpoint format of replay")
     parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
@@ -248,7 +264,8 @@ def main(argv=None) -> int:
                 "conventional": lambda: launch_conventional(args.format),
                 "gdn-conventional": lambda: launch_gdn_conventional(args.format),
                 "gdn-replay": lambda: launch_gdn_replay(read, args.checkpoint),
-                "gdn-verify": lambda: launch_gdn_verify(read)}[args.op]()
+                "gdn-verify": lambda: launch_gdn_verify(read),
+                "gdn-commit": lambda: launch_gdn_commit(read)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
         registers, shared, local, instructions = count(compiled)
