@@ -58,6 +58,9 @@ ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
 VERIFY_TILE_ROWS = 8
 VERIFY_WARPS = 1
 VERIFY_V_LOOP = 16
+# The sweep over the ring: 0 unrolls all ring_len − 1 positions (masked past the cursor); G > 0
+# walks only the committed tokens, G at a time.
+SWEEP_GROUP = 0
 # A register cap for the verify (None: the compiler's 255, one-warp programs at 8 per multiprocessor).
 VERIFY_MAXNREG = None
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
@@ -151,7 +154,7 @@ def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt
                       OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop,
                       PREFETCH=PREFETCH and not split, SPLIT=split, DOT=dot, DOT_T=max(16, block_t),
                       BASE_EXACT=dot and exact_dot.exact_in_bf16(rd_fmt if rd_fmt is not None else ck_fmt),
-                      PRECISION=VERIFY_DOT_PRECISION if on_gpu else "ieee", num_warps=warps,
+                      PRECISION=VERIFY_DOT_PRECISION if on_gpu else "ieee", SWEEP_GROUP=SWEEP_GROUP, num_warps=warps,
                       **register_cap(VERIFY_MAXNREG, device))
     grid = (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch)
     if not split:

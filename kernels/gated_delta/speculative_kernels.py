@@ -10,7 +10,7 @@ from ..common import exact_dot
 from ..common.constants import GRAN_HEAD, GRAN_NONE, GRAN_ROW
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, fold_rows_streamed, ring_token, stage_fold_operands
+from .ring import apply_token, fold_rows_streamed, ring_token_unnormalized, stage_fold_operands
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -48,6 +48,20 @@ def commit_decision(n, pending, accepted, ring_len, capacity):
 
 
 @triton.jit
+def _sweep_ring_token(Q, c_ring, ring_slots, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM: tl.constexpr,
+                      CHANNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The adjoint sweeps ``Q [BLOCK_T, BLOCK_K]`` carried back through the ring's ``i``-th newest
+    committed token, its coefficients kept in column ``i`` of ``c_ring``; nothing past ``n``."""
+    j = tl.maximum(n - 1 - i, 0)
+    kj, rj, aj, bj = ring_token_unnormalized(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+    c = bj * rj * tl.sum(Q * kj[None, :], axis=1)  # β k̂·T, k̂ = r k
+    used = (tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + i) < n
+    Q = tl.where(used, tile.apply_decay(Q - (c * rj)[:, None] * kj[None, :], aj, CHANNEL), Q)
+    c_ring = tl.where((ring_slots[None, :] == i) & (ring_slots[None, :] < n), c[:, None], c_ring)
+    return Q, c_ring
+
+
+@triton.jit
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, drafts_ptr,
@@ -59,7 +73,7 @@ def _verify_kernel(
     HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr, BASE_EXACT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SWEEP_GROUP: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -138,24 +152,27 @@ def _verify_kernel(
         c_draft = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)
         for i in tl.static_range(T):
             p = T - 1 - i
-            k_p = tile.load_key(k_row + p * s_k_t, cols, K, L2NORM)
+            k_p, r_p = tile.load_key_unnormalized(k_row + p * s_k_t, cols, K, L2NORM)
             alpha_p = tile.decay(g_row + p * s_g_t, cols, K, CHANNEL)
             beta_p = tl.load(beta_row + p * s_beta_t).to(tl.float32)
-            c = beta_p * tl.sum(Q * k_p[None, :], axis=1)
+            c = beta_p * r_p * tl.sum(Q * k_p[None, :], axis=1)  # β k̂·T, k̂ = r k
             sees = ts >= p
-            Q = tl.where(sees[:, None], tile.apply_decay(Q - c[:, None] * k_p[None, :], alpha_p, CHANNEL), Q)
+            Q = tl.where(sees[:, None], tile.apply_decay(Q - (c * r_p)[:, None] * k_p[None, :], alpha_p, CHANNEL), Q)
             c_draft = tl.where(sees[:, None] & (ts[None, :] == p), c[:, None], c_draft)
         # The ring's L − 1 entries, unrolled and masked past the cursor, so their loads and key
-        # norms do not wait on Q.
+        # norms do not wait on Q (SWEEP_GROUP = 0); or the n committed ones in groups.
         ring_slots = tl.arange(0, RING_PAD)
         c_ring = tl.zeros([BLOCK_T, RING_PAD], tl.float32)
-        for i in tl.static_range(L - 1):
-            j = tl.maximum(n - 1 - i, 0)
-            kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-            c = bj * tl.sum(Q * kj[None, :], axis=1)
-            used = (tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + i) < n
-            Q = tl.where(used, tile.apply_decay(Q - c[:, None] * kj[None, :], aj, CHANNEL), Q)
-            c_ring = tl.where((ring_slots[None, :] == i) & (ring_slots[None, :] < n), c[:, None], c_ring)
+        if SWEEP_GROUP == 0:
+            for i in tl.static_range(L - 1):
+                Q, c_ring = _sweep_ring_token(Q, c_ring, ring_slots, i, n, ring_k, ring_g, ring_beta, cols, K,
+                                              L2NORM, CHANNEL, BLOCK_T, BLOCK_K)
+        else:
+            # Only the n committed tokens, SWEEP_GROUP at a time (a group's loads issue together).
+            for first in range(0, n, SWEEP_GROUP):
+                for u in tl.static_range(SWEEP_GROUP):
+                    Q, c_ring = _sweep_ring_token(Q, c_ring, ring_slots, first + u, n, ring_k, ring_g, ring_beta,
+                                                  cols, K, L2NORM, CHANNEL, BLOCK_T, BLOCK_K)
         if SPLIT:
             # Q, c_ring and c_draft go to the scratch for _verify_stream_kernel (its docstring).
             scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_T * (BLOCK_K + RING_PAD + BLOCK_T))

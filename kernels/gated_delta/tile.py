@@ -43,6 +43,19 @@ def l2_normalized(x, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def load_key_unnormalized(ptr, cols, K, L2NORM: tl.constexpr):
+    """``(k [BLOCK_K], r)``: one key-head vector in fp32 as given and ``r = 1 / sqrt(Σk² + eps)``
+    (1 without ``L2NORM``), so that ``k̂ = r k`` costs no quotient per element, for sums that take
+    ``k̂`` only through products (one rounding more than :func:`load_key`'s)."""
+    k = tl.load(ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    if L2NORM:
+        r = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + L2_EPS))
+    else:
+        r = 1.0
+    return k, r
+
+
+@triton.jit
 def load_key(ptr, cols, K, L2NORM: tl.constexpr):
     """One key-head vector ``[BLOCK_K]`` in fp32, normalized when ``L2NORM``; zero past K."""
     return l2_normalized(tl.load(ptr + cols, mask=cols < K, other=0.0).to(tl.float32), L2NORM)

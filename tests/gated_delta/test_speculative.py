@@ -162,6 +162,14 @@ def test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, ch
         shadow.check_sequential(state0)
 
 
+@pytest.mark.parametrize("sweep_group,case", [(2, CASES[4]), (4, CASES[5]), (4, CASES[1])])
+def test_rounds_with_the_sweep_in_groups(monkeypatch, sweep_group, case):
+    """The verify's sweep over only the committed tokens, ``sweep_group`` at a time."""
+    from qstate.kernels.gated_delta import speculative
+    monkeypatch.setattr(speculative, "SWEEP_GROUP", sweep_group)
+    test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, *case)
+
+
 @pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
 def test_against_decode_speculative(channel):
     """All drafts' outputs (accepted or not), the stored checkpoint and the final state equal the
