@@ -265,17 +265,10 @@ def annotate(by_group):
 
 
 _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
-_DOT32 = {"VERIFY_DOT": True, "VERIFY_DOT_TILE_ROWS": 32, "VERIFY_DOT_V_LOOP": 4}
 SWEEP = {
     "default": {},
-    "sweep4": {"SWEEP_GROUP": 4},
+    "sweep-unrolled": {"SWEEP_GROUP": 0},
     "sweep2": {"SWEEP_GROUP": 2},
-    "sweep4-168reg": {"SWEEP_GROUP": 4, "VERIFY_MAXNREG": 168},
-    "dot-16x1x8-sweep4": {"VERIFY_DOT": True, "SWEEP_GROUP": 4},
-    "dot-32x1x4": _DOT32,
-    "dot-32x1x4-sweep4": {**_DOT32, "SWEEP_GROUP": 4},
-    "dot-32x2x4-sweep4": {**_DOT32, "VERIFY_DOT_WARPS": 2, "SWEEP_GROUP": 4},
-    "split-tf32x3-32x4-sweep4": {"VERIFY_SPLIT": True, "STREAM_PRECISION": "tf32x3", "SWEEP_GROUP": 4},
 }
 
 

@@ -12,24 +12,39 @@ from .ring import fold_operands, fold_rows, ring_token
 
 
 @triton.jit
+def _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM: tl.constexpr,
+                 CHANNEL: tl.constexpr):
+    """``T`` carried back through the ring's ``i``-th newest token (key as ``r k``, no quotient
+    per element), its coefficient kept at its ring position in ``c``; nothing past ``n``."""
+    j = tl.maximum(n - 1 - i, 0)
+    kj, rj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+    c_j = bj * rj * tl.sum(kj * T, axis=0)  # β k̂·T, k̂ = r k
+    live = (tl.zeros_like(cols) + i) < n
+    T = tl.where(live, aj * (T - (c_j * rj) * kj), T)
+    return T, tl.where((positions == n - 1 - i) & (i < n), c_j, c)
+
+
+@triton.jit
 def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
-           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr, SWEEP_GROUP: tl.constexpr):
     """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
-    the ring's ``n`` tokens, newest first, unrolled and masked past the cursor so every ring load
-    issues up front. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
+    the ring's ``n`` tokens, newest first, ``SWEEP_GROUP`` at a time (a group's loads issue
+    together, masked past the cursor; 0: all ``L − 1`` positions unrolled, so every ring load
+    issues up front). Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
     (the current token's at ``n``)."""
     positions = tl.arange(0, RING_PAD)
     T = q
     c_now = beta * tl.sum(k * T, axis=0)
     T = alpha * (T - c_now * k)
     c = tl.where(positions == n, c_now, 0.0)
-    for i in tl.static_range(L - 1):
-        j = tl.maximum(n - 1 - i, 0)
-        kj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-        c_j = bj * tl.sum(kj * T, axis=0)
-        live = (tl.zeros_like(cols) + i) < n
-        T = tl.where(live, aj * (T - c_j * kj), T)
-        c = tl.where((positions == n - 1 - i) & (i < n), c_j, c)
+    if SWEEP_GROUP == 0:
+        for i in tl.static_range(L - 1):
+            T, c = _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
+    else:
+        for first in range(0, n, SWEEP_GROUP):
+            for u in tl.static_range(SWEEP_GROUP):
+                T, c = _sweep_token(T, c, positions, first + u, n, ring_k, ring_g, ring_beta, cols, K, L2NORM,
+                                    CHANNEL)
     return T, c
 
 
@@ -44,6 +59,7 @@ def _replay_step_kernel(
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    SWEEP_GROUP: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -104,7 +120,7 @@ def _replay_step_kernel(
                 # current token's at n) for the stream kernel, which also appends v.
                 if v_part == 0:
                     T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                                  RING_PAD)
+                                  RING_PAD, SWEEP_GROUP)
                     scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
                     tl.store(scratch + cols, T)
                     tl.store(scratch + BLOCK_K + tl.arange(0, RING_PAD), c)
@@ -126,7 +142,7 @@ def _replay_step_kernel(
                 codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                              base_scale_ptr, BASE_GRAN, BLOCK_K)
                 T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                              RING_PAD)
+                              RING_PAD, SWEEP_GROUP)
                 positions = tl.arange(0, RING_PAD)
                 c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
                 for chunk in range(V_LOOP):

@@ -16,30 +16,16 @@ FOLD_KEY_COLUMNS: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
-def _ring_gates(ring_g, ring_beta, j, cols, K, CHANNEL: tl.constexpr):
-    """Token ``j``'s ``α`` (``[BLOCK_K]`` per channel, or a scalar) and ``β`` in fp32."""
+def ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
+    """Token ``j`` of a head's ring without its value (the pointers are the head's first ring
+    entries): ``(k, r, α, β)`` in fp32, the key as stored and ``r`` its norm's reciprocal, ``k̂ =
+    r k`` (``tile.load_key_unnormalized``); ``α`` ``[BLOCK_K]`` per channel or a scalar."""
+    k, r = tile.load_key_unnormalized(ring_k + j * K, cols, K, L2NORM)
     if CHANNEL:
         alpha = tile.decay(ring_g + j * K, cols, K, CHANNEL)
     else:
         alpha = tile.decay(ring_g + j, cols, K, CHANNEL)
-    return alpha, tl.load(ring_beta + j)
-
-
-@triton.jit
-def ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
-    """Token ``j`` of a head's ring without its value: ``k̂ [BLOCK_K]``, ``α``, ``β`` in fp32 (the
-    pointers are the head's first ring entries)."""
-    alpha, beta = _ring_gates(ring_g, ring_beta, j, cols, K, CHANNEL)
-    return tile.load_key(ring_k + j * K, cols, K, L2NORM), alpha, beta
-
-
-@triton.jit
-def ring_token_unnormalized(ring_k, ring_g, ring_beta, j, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
-    """:func:`ring_token` with the key as given and its norm's reciprocal apart: ``(k, r, α, β)``,
-    ``k̂ = r k`` (``tile.load_key_unnormalized``)."""
-    k, r = tile.load_key_unnormalized(ring_k + j * K, cols, K, L2NORM)
-    alpha, beta = _ring_gates(ring_g, ring_beta, j, cols, K, CHANNEL)
-    return k, r, alpha, beta
+    return k, r, alpha, tl.load(ring_beta + j)
 
 
 @triton.jit

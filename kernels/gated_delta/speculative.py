@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from ..common import codec, exact_dot, gpu, sizes
+from ..common import codec, gpu, sizes
 from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
@@ -58,21 +58,12 @@ ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
 VERIFY_TILE_ROWS = 8
 VERIFY_WARPS = 1
 VERIFY_V_LOOP = 16
-# The sweep over the ring: 0 unrolls all ring_len − 1 positions (masked past the cursor); G > 0
-# walks only the committed tokens, G at a time.
-SWEEP_GROUP = 0
-# A register cap for the verify (None: the compiler's 255, one-warp programs at 8 per multiprocessor).
-VERIFY_MAXNREG = None
+# The verify's sweep walks the committed ring tokens this many at a time (0: all ring_len − 1
+# positions unrolled; H100 batch-256 T = 4 round: 1020 / 969 µs against 1247 / 1165 at 0).
+SWEEP_GROUP = 4
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
 # (only without VERIFY_SPLIT).
 PREFETCH = True
-# The fused verify with R Qᵀ and the ring's Σ c v as tensor-core products over 16 padded chains
-# (VERIFY_DOT_PRECISION on a GPU), at its own tile: rows per chunk at K = 128, warps, chunks.
-VERIFY_DOT = False
-VERIFY_DOT_TILE_ROWS = 16
-VERIFY_DOT_WARPS = 1
-VERIFY_DOT_V_LOOP = 8
-VERIFY_DOT_PRECISION = "tf32x3"
 # The split verify (sweep → scratch, then a stream kernel of STREAM_ROWS × STREAM_WARPS): its tl.dot
 # stream lost on an H100 (round 3504 / 3610 µs against 1459 / 1393 fused).
 VERIFY_SPLIT = False
@@ -105,19 +96,18 @@ _cursor = CompiledLaunch(_commit_cursor_kernel)
 _drafts = CompiledLaunch(_drafts_kernel)
 
 
-def _verify_tiling(K, V, heads, batch, device, tile_rows, v_loop, min_block_v=_MIN_BLOCK_V):
-    """``(BLOCK_K, BLOCK_V, V_LOOP)`` of a launch over ``(V-parts, heads, batch)``, ``BLOCK_V`` at
-    least ``min_block_v``."""
+def _verify_tiling(K, V, heads, batch, device, tile_rows, v_loop):
+    """``(BLOCK_K, BLOCK_V, V_LOOP)`` of a launch over ``(V-parts, heads, batch)``."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     if device.type != "cuda":
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
-        return block_k, max(block_v, min_block_v), v_loop
-    block_v = max(min(max(1, tile_rows * 128 // block_k), whole), min_block_v)
+        return block_k, block_v, v_loop
+    block_v = min(max(1, tile_rows * 128 // block_k), whole)
     v_loop = min(v_loop, sizes.cdiv(V, block_v))
     while v_loop > 1 and batch * heads * sizes.cdiv(V, block_v * v_loop) < MIN_PROGRAMS:
         v_loop //= 2
-    while block_v > min_block_v and batch * heads * sizes.cdiv(V, block_v) < MIN_PROGRAMS:
+    while block_v > _MIN_BLOCK_V and batch * heads * sizes.cdiv(V, block_v) < MIN_PROGRAMS:
         block_v //= 2
     return block_k, block_v, v_loop
 
@@ -131,31 +121,22 @@ def _formats(ck_fmt, rd_fmt) -> dict:
 
 @functools.lru_cache(maxsize=1024)
 def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt, rd_fmt, channel, l2norm,
-                 has_slots, out_bf16, split, dot):
+                 has_slots, out_bf16, split):
     """``(sweep grid, sweep constexprs, stream grid, stream constexprs, scratch floats per (row,
-    head))``; the stream's None without ``split``. ``dot``: the fused verify's products on tensor
-    cores (ignored with ``split``)."""
+    head))``; the stream's None without ``split``."""
     on_gpu = device.type == "cuda"
-    dot = dot and not split
     if split:
         block_k, whole = max(32, sizes.next_power_of_2(K)), sizes.next_power_of_2(V)
         block_v, v_loop = whole, 1
-    elif dot:
-        # At least 16 rows and 16 ring positions: the products' smallest tile.
-        block_k, block_v, v_loop = _verify_tiling(K, V, num_v_heads, batch, device, VERIFY_DOT_TILE_ROWS,
-                                                  VERIFY_DOT_V_LOOP, min_block_v=16)
     else:
         block_k, block_v, v_loop = _verify_tiling(K, V, num_v_heads, batch, device, VERIFY_TILE_ROWS, VERIFY_V_LOOP)
     formats = _formats(ck_fmt, rd_fmt)
-    ring_pad, block_t = max(16 if dot else 2, sizes.next_power_of_2(ring_len - 1)), max(2, sizes.next_power_of_2(T))
-    warps = (VERIFY_DOT_WARPS if dot else VERIFY_WARPS) if on_gpu else 4
+    ring_pad, block_t = max(2, sizes.next_power_of_2(ring_len - 1)), max(2, sizes.next_power_of_2(T))
     constexprs = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=ring_pad, BLOCK_T=block_t, **formats,
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop,
-                      PREFETCH=PREFETCH and not split, SPLIT=split, DOT=dot, DOT_T=max(16, block_t),
-                      BASE_EXACT=dot and exact_dot.exact_in_bf16(rd_fmt if rd_fmt is not None else ck_fmt),
-                      PRECISION=VERIFY_DOT_PRECISION if on_gpu else "ieee", SWEEP_GROUP=SWEEP_GROUP, num_warps=warps,
-                      **register_cap(VERIFY_MAXNREG, device))
+                      PREFETCH=PREFETCH and not split, SPLIT=split, SWEEP_GROUP=SWEEP_GROUP,
+                      num_warps=VERIFY_WARPS if on_gpu else 4)
     grid = (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch)
     if not split:
         return grid, constexprs, None, None, 0
@@ -186,22 +167,20 @@ def _draft_strides(q, k, v, g, beta, out):
 
 def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g,
                   ring_beta, cursor, drafts, slot_flags, *, checkpoint_format, read_format, max_draft: int,
-                  qk_scale: float, use_qk_l2norm: bool, split=None, dot=None) -> None:
+                  qk_scale: float, use_qk_l2norm: bool, split=None) -> None:
     """Launch one verify on validated arguments: ``q, k (batch, T, HK, K)``, ``v, out (batch, T,
     HV, V)``, ``g (batch, T, HV[, K])``, ``beta (batch, T, HV)``, unit inner stride; the cache's
     tensors contiguous (ring of ``ring_len + max_draft`` tokens), ``T ≤ max_draft``. ``split``:
     the split variant (sweep, then stream kernel, through an fp32 scratch of ``batch · HV ·
-    BLOCK_T · (BLOCK_K + RING_PAD + BLOCK_T)`` allocated per call); None: ``VERIFY_SPLIT``.
-    ``dot``: the fused verify's products on tensor cores; None: ``VERIFY_DOT``."""
+    BLOCK_T · (BLOCK_K + RING_PAD + BLOCK_T)`` allocated per call); None: ``VERIFY_SPLIT``."""
     batch, T, num_v_heads, V = v.shape
     K = k.shape[3]
     capacity = ring_k.shape[2]
     out_bf16 = out.dtype == torch.bfloat16
     split = VERIFY_SPLIT if split is None else bool(split)
-    dot = VERIFY_DOT if dot is None else bool(dot)
     grid, constexprs, stream_grid, stream, scratch_floats = _verify_plan(
         K, V, num_v_heads, batch, T, capacity - max_draft, capacity, v.device, checkpoint_format, read_format,
-        g.dim() == 4, use_qk_l2norm, slot_indices is not None, out_bf16, split, dot)
+        g.dim() == 4, use_qk_l2norm, slot_indices is not None, out_bf16, split)
     ck = codec.storage_view(checkpoint, checkpoint_format)
     rd = codec.storage_view(read, read_format) if read is not None else ck
     rd_scale = read_scale if read_scale is not None else ck

@@ -6,11 +6,9 @@
 import triton
 import triton.language as tl
 
-from ..common import exact_dot
-from ..common.constants import GRAN_HEAD, GRAN_NONE, GRAN_ROW
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .ring import apply_token, fold_rows_streamed, ring_token_unnormalized, stage_fold_operands
+from .ring import apply_token, fold_rows_streamed, ring_token, stage_fold_operands
 
 # Bits of ``commit_errors`` the commit sets.
 ERROR_NO_VERIFY = tl.constexpr(1)
@@ -53,7 +51,7 @@ def _sweep_ring_token(Q, c_ring, ring_slots, i, n, ring_k, ring_g, ring_beta, co
     """The adjoint sweeps ``Q [BLOCK_T, BLOCK_K]`` carried back through the ring's ``i``-th newest
     committed token, its coefficients kept in column ``i`` of ``c_ring``; nothing past ``n``."""
     j = tl.maximum(n - 1 - i, 0)
-    kj, rj, aj, bj = ring_token_unnormalized(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+    kj, rj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
     c = bj * rj * tl.sum(Q * kj[None, :], axis=1)  # β k̂·T, k̂ = r k
     used = (tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + i) < n
     Q = tl.where(used, tile.apply_decay(Q - (c * rj)[:, None] * kj[None, :], aj, CHANNEL), Q)
@@ -72,8 +70,7 @@ def _verify_kernel(
     CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
     HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, DOT_T: tl.constexpr, BASE_EXACT: tl.constexpr,
-    PRECISION: tl.constexpr, SWEEP_GROUP: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, SWEEP_GROUP: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -159,8 +156,8 @@ def _verify_kernel(
             sees = ts >= p
             Q = tl.where(sees[:, None], tile.apply_decay(Q - (c * r_p)[:, None] * k_p[None, :], alpha_p, CHANNEL), Q)
             c_draft = tl.where(sees[:, None] & (ts[None, :] == p), c[:, None], c_draft)
-        # The ring's L − 1 entries, unrolled and masked past the cursor, so their loads and key
-        # norms do not wait on Q (SWEEP_GROUP = 0); or the n committed ones in groups.
+        # The ring's n committed tokens, SWEEP_GROUP at a time (a group's loads and key norms do not
+        # wait on Q; masked past n); SWEEP_GROUP = 0 unrolls all L − 1 positions.
         ring_slots = tl.arange(0, RING_PAD)
         c_ring = tl.zeros([BLOCK_T, RING_PAD], tl.float32)
         if SWEEP_GROUP == 0:
@@ -168,7 +165,6 @@ def _verify_kernel(
                 Q, c_ring = _sweep_ring_token(Q, c_ring, ring_slots, i, n, ring_k, ring_g, ring_beta, cols, K,
                                               L2NORM, CHANNEL, BLOCK_T, BLOCK_K)
         else:
-            # Only the n committed tokens, SWEEP_GROUP at a time (a group's loads issue together).
             for first in range(0, n, SWEEP_GROUP):
                 for u in tl.static_range(SWEEP_GROUP):
                     Q, c_ring = _sweep_ring_token(Q, c_ring, ring_slots, first + u, n, ring_k, ring_g, ring_beta,
@@ -182,73 +178,31 @@ def _verify_kernel(
         else:
             newest_first = n - 1 - ring_slots
             causal = ts[None, :] <= ts[:, None]  # [chain, draft position]
-            if DOT:
-                # The chains widened to DOT_T rows (past T zero), the products' smallest tile.
-                chains = tl.arange(0, DOT_T)
-                Q_wide = tl.zeros([DOT_T, BLOCK_K], tl.float32)
-                c_ring_wide = tl.zeros([DOT_T, RING_PAD], tl.float32)
-                c_draft_wide = tl.zeros([DOT_T, BLOCK_T], tl.float32)
-                for t in tl.static_range(T):
-                    pick = ts[:, None] == t
-                    row_t = chains[:, None] == t
-                    Q_wide = tl.where(row_t, tl.sum(tl.where(pick, Q, 0.0), axis=0)[None, :], Q_wide)
-                    c_ring_wide = tl.where(row_t, tl.sum(tl.where(pick, c_ring, 0.0), axis=0)[None, :], c_ring_wide)
-                    c_draft_wide = tl.where(row_t, tl.sum(tl.where(pick, c_draft, 0.0), axis=0)[None, :],
-                                            c_draft_wide)
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
                 row_mask = rows < V
                 if not PREFETCH:
                     codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, row_mask, K, K,
                                                  base_scaled, BASE_GRAN, BLOCK_K)
-                if DOT and BASE_EXACT:
-                    base = exact_dot.bf16_codes(codes, BASE_DTYPE, HW)
-                else:
-                    base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-                if DOT and BASE_EXACT and BASE_GRAN != GRAN_NONE:
-                    row_scale = scale  # the codes' scale multiplies the exact product
+                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
                 if PREFETCH and chunk + 1 < V_LOOP:
                     next_rows = rows + BLOCK_V
                     codes, scale = tile.load_raw(base_codes + head, base_scale, next_rows, cols, next_rows < V, K, K,
                                                  base_scaled, BASE_GRAN, BLOCK_K)
-                if DOT:
-                    # R Qᵀ and the ring's Σ c v as products on tensor cores, [BLOCK_V, DOT_T] (R's codes
-                    # exact in bf16: exact products, else PRECISION); the drafts' terms selected per
-                    # chain (a later draft's NaN must not reach it).
-                    if BASE_EXACT:
-                        o = exact_dot.dot_columns(base, Q_wide, 3, HW)
-                        if BASE_GRAN == GRAN_ROW:
-                            o = o * row_scale[:, None]
-                        elif BASE_GRAN == GRAN_HEAD:
-                            o = o * row_scale
-                    else:
-                        o = tl.dot(base, tl.trans(Q_wide), input_precision=PRECISION)
-                    ring_vs = tl.load(ring_v + newest_first[None, :] * V + rows[:, None],
-                                      mask=(ring_slots < n)[None, :] & row_mask[:, None], other=0.0).to(tl.float32)
-                    o = tl.dot(ring_vs, tl.trans(c_ring_wide), acc=o, input_precision=PRECISION)
-                    for draft in tl.static_range(T):
-                        v_p = tl.load(v_row + draft * s_v_t + rows, mask=row_mask, other=0.0)
-                        tl.store(ring_v + (n + draft) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-                        c_p = tl.sum(tl.where(ts[None, :] == draft, c_draft_wide, 0.0), axis=1)  # [DOT_T]
-                        o = tl.where((chains >= draft)[None, :], o + v_p.to(tl.float32)[:, None] * c_p[None, :], o)
-                    out_tile = row_mask[:, None] & (chains < T)[None, :]
-                    flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-                    tile.store_output(out_row, o, rows[:, None] + chains[None, :] * s_out_t, out_tile, OUT_BF16, HW)
-                else:
-                    ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
-                                      mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
-                    out_tile = is_t[:, None] & row_mask[None, :]
-                    v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
-                    tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
-                             mask=out_tile)
-                    o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
-                    o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
-                                         0.0), axis=1)
-                    for t in tl.static_range(T):
-                        Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
-                        o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
-                    flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-                    tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
+                ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
+                                  mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
+                out_tile = is_t[:, None] & row_mask[None, :]
+                v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
+                tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
+                         mask=out_tile)
+                o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
+                o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
+                                     0.0), axis=1)
+                for t in tl.static_range(T):
+                    Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
+                    o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
+                flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
+                tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
 
 
 @triton.jit
