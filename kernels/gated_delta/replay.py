@@ -65,9 +65,6 @@ V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep
 # (only without SPLIT).
 PREFETCH = False
-# The sweep walks the committed ring tokens this many at a time (0: all ring_len − 1 positions
-# unrolled, masked past the cursor).
-SWEEP_GROUP = 0
 # The split variant (launch(split=...) when None): the step kernel only sweeps (T, c → scratch) and
 # flushes; a stream kernel of STREAM_ROWS rows (at K = 128) × STREAM_WARPS warps then reads the state.
 SPLIT = True
@@ -115,7 +112,7 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
-                SWEEP_GROUP=SWEEP_GROUP, num_warps=warps)
+                num_warps=warps)
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
                                                      INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)

@@ -26,25 +26,18 @@ def _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NO
 
 @triton.jit
 def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
-           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr, SWEEP_GROUP: tl.constexpr):
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
     """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
-    the ring's ``n`` tokens, newest first, ``SWEEP_GROUP`` at a time (a group's loads issue
-    together, masked past the cursor; 0: all ``L − 1`` positions unrolled, so every ring load
-    issues up front). Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
+    the ring's ``n`` tokens, newest first, unrolled and masked past the cursor so every ring load
+    issues up front. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
     (the current token's at ``n``)."""
     positions = tl.arange(0, RING_PAD)
     T = q
     c_now = beta * tl.sum(k * T, axis=0)
     T = alpha * (T - c_now * k)
     c = tl.where(positions == n, c_now, 0.0)
-    if SWEEP_GROUP == 0:
-        for i in tl.static_range(L - 1):
-            T, c = _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
-    else:
-        for first in range(0, n, SWEEP_GROUP):
-            for u in tl.static_range(SWEEP_GROUP):
-                T, c = _sweep_token(T, c, positions, first + u, n, ring_k, ring_g, ring_beta, cols, K, L2NORM,
-                                    CHANNEL)
+    for i in tl.static_range(L - 1):
+        T, c = _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
     return T, c
 
 
@@ -59,7 +52,6 @@ def _replay_step_kernel(
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
-    SWEEP_GROUP: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -120,7 +112,7 @@ def _replay_step_kernel(
                 # current token's at n) for the stream kernel, which also appends v.
                 if v_part == 0:
                     T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                                  RING_PAD, SWEEP_GROUP)
+                                  RING_PAD)
                     scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
                     tl.store(scratch + cols, T)
                     tl.store(scratch + BLOCK_K + tl.arange(0, RING_PAD), c)
@@ -142,7 +134,7 @@ def _replay_step_kernel(
                 codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                              base_scale_ptr, BASE_GRAN, BLOCK_K)
                 T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                              RING_PAD, SWEEP_GROUP)
+                              RING_PAD)
                 positions = tl.arange(0, RING_PAD)
                 c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
                 for chunk in range(V_LOOP):

@@ -116,15 +116,6 @@ def test_each_step_against_the_exact_recurrence_from_what_it_reads(channel, ring
     assert cache.cursor[0] == steps % ring_len
 
 
-@pytest.mark.parametrize("sweep_group,case,split", [(4, CASES[1], False), (3, CASES[2], True), (4, CASES[5], False)])
-def test_each_step_with_the_sweep_in_groups(monkeypatch, sweep_group, case, split):
-    """The sweep over only the committed tokens, ``sweep_group`` at a time."""
-    from qstate.kernels.gated_delta import replay
-    monkeypatch.setattr(replay, "SWEEP_GROUP", sweep_group)
-    monkeypatch.setattr(replay, "SPLIT", split)
-    test_each_step_against_the_exact_recurrence_from_what_it_reads(*case, split)
-
-
 @pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
 def test_against_decode_replay_end_to_end(channel):
     """fp32 checkpoint, no read copy, HV/HK 4 (GDN) or 2 (KDA), bf16 inputs: outputs, the last
