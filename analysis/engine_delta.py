@@ -79,7 +79,10 @@ def _update_(S: torch.Tensor, k, v, alpha, beta) -> None:
     the inputs without the leading dims (they broadcast)."""
     S.mul_(alpha[..., None, :])
     d = beta[..., None] * (v - torch.matmul(S, k[..., None])[..., 0])
-    S.add_(d[..., None] * k[..., None, :])
+    if S.dtype == torch.float64:
+        S.addcmul_(d[..., None], k[..., None, :])  # one pass, no [..., V, K] temporary
+    else:  # the naive schemes: the reference's two fp32 roundings (addcmul_ may fuse them)
+        S.add_(d[..., None] * k[..., None, :])
 
 
 def _read(S: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -188,7 +191,7 @@ class InputRingGroup(_ReplayGroup):
         k, q = s.k64[i], s.q64[i]
         self.P.mul_(s.alpha64[i][..., None, :])
         Pk = torch.matmul(self.P, k[..., None])  # [batch, HV, K, 1]
-        self.P.sub_(s.beta64[i][..., None, None] * Pk * k[..., None, :])
+        self.P.addcmul_(s.beta64[i][..., None, None] * Pk, k[..., None, :], value=-1)
         _update_(self.R, k, s.v64[i], s.alpha64[i], s.beta64[i])
         self.count += 1
         flush = self.count == self.L
