@@ -232,11 +232,15 @@ def launch_gdn_verify(read, T=4, batch=BATCH):
     return launches
 
 
+# Multiprocessors of an H100 SXM (the H200 has as many).
+H100_SMS = 132
+
+
 def launch_gdn_commit(read, T=4, batch=BATCH):
     import qstate
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_commit_plan")
-    speculative.gpu.sm_count = lambda device: 132
+    speculative.gpu.sm_count = lambda device: H100_SMS  # the fold's grid, with no GPU to ask
     launches = record(speculative, ["_commit_list_kernel", "_commit_fold_kernel", "_commit_cursor_kernel"])
     HK, HV, K, V = GDN_LAYER
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
