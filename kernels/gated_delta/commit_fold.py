@@ -70,6 +70,18 @@ def fold_coefficients(ring_k, r, gram, ring_g, ring_beta, count, K, CHANNEL: tl.
 
 
 @triton.jit
+def _token_key(ring_k, ring_g, j, count, cols, K, gamma, CHANNEL: tl.constexpr):
+    """Token ``j``'s raw key ``[BLOCK_K]`` (zero from ``count`` on) and, KDA, ``gamma`` plus its
+    log-gate (the running ``Γ_j``; GDN: ``gamma`` as given)."""
+    # Masks as vectors: the interpreter takes no scalar mask.
+    live = (cols < K) & (tl.zeros_like(cols) + j < count)
+    k = tl.load(ring_k + j * K + cols, mask=live, other=0.0).to(tl.float32)
+    if CHANNEL:
+        gamma += tl.load(ring_g + j * K + cols, mask=live, other=0.0).to(tl.float32)
+    return k, gamma
+
+
+@triton.jit
 def fold_rows_by_token(S, coefficients, ring_k, ring_v, ring_g, V, K, rows, row_mask, cols, count,
                        M: tl.constexpr, CHANNEL: tl.constexpr):
     """:func:`.ring.fold_rows` token by token in two passes, products in fp32 FMAs: the reads ``R_j =
@@ -80,17 +92,13 @@ def fold_rows_by_token(S, coefficients, ring_k, ring_v, ring_g, V, K, rows, row_
     entries (raw keys ``[·, K]``, values ``[·, V]``). Loads past ``count`` are masked (a rejected
     draft's inputs may be NaN)."""
     pos = tl.arange(0, M)
-    key_mask = cols < K
     reads = tl.zeros([S.shape[0], M], tl.float32)
     gamma = tl.zeros(cols.shape, tl.float32)
     for first in range(0, count, FOLD_TOKENS_PER_STEP):
         for u in tl.static_range(FOLD_TOKENS_PER_STEP):
             j = first + u
-            # Masks as vectors: the interpreter takes no scalar mask.
-            live_key = key_mask & (tl.zeros_like(cols) + j < count)
-            k = tl.load(ring_k + j * K + cols, mask=live_key, other=0.0).to(tl.float32)
+            k, gamma = _token_key(ring_k, ring_g, j, count, cols, K, gamma, CHANNEL)
             if CHANNEL:
-                gamma += tl.load(ring_g + j * K + cols, mask=live_key, other=0.0).to(tl.float32)
                 k = k * tl.exp(gamma)
             value = tl.load(ring_v + j * V + rows, mask=row_mask & (tl.zeros_like(rows) + j < count),
                             other=0.0).to(tl.float32)
@@ -105,10 +113,8 @@ def fold_rows_by_token(S, coefficients, ring_k, ring_v, ring_g, V, K, rows, row_
     for first in range(0, count, FOLD_TOKENS_PER_STEP):
         for u in tl.static_range(FOLD_TOKENS_PER_STEP):
             j = first + u
-            live_key = key_mask & (tl.zeros_like(cols) + j < count)
-            k = tl.load(ring_k + j * K + cols, mask=live_key, other=0.0).to(tl.float32)
+            k, gamma = _token_key(ring_k, ring_g, j, count, cols, K, gamma, CHANNEL)
             if CHANNEL:
-                gamma += tl.load(ring_g + j * K + cols, mask=live_key, other=0.0).to(tl.float32)
                 k = k * tl.exp(last - gamma)
             weight = tl.sum(reads * tl.load(coefficients + pos * M + j)[None, :], axis=1)  # (R U)_j
             folded += weight[:, None] * k[None, :]

@@ -296,6 +296,24 @@ def _commit_list_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, fold_lis
 
 
 @triton.jit
+def _fold_item(item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads,
+               num_v_heads, K, heads_per_group, capacity, CHANNEL: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """Item ``(listed row, value head)`` of a fold: ``(slot, h, count, ring_head, ring_k, ring_g)``,
+    ``count`` the committed tokens it folds, the ring pointers at the head's first entries."""
+    b = tl.load(fold_list_ptr + item // num_v_heads)
+    h = item % num_v_heads
+    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+    count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
+    ring_head = slot * num_v_heads + h
+    ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
+    if CHANNEL:
+        ring_g = ring_g_ptr + ring_head * capacity * K
+    else:
+        ring_g = ring_g_ptr + ring_head * capacity
+    return slot, h, count, ring_head, ring_k, ring_g
+
+
+@triton.jit
 def _store_folded(S, slot, slot_flags_ptr, ck_head, read_head, read_scale_head, rows, row_mask, cols, K,
                   CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
                   RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
@@ -325,20 +343,13 @@ def _commit_fold_kernel(
     scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
     # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
     for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
-        b = tl.load(fold_list_ptr + item // num_v_heads)
-        h = item % num_v_heads
-        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
         # checkpoint in fp32 from the checkpoint itself (not the read copy), four tokens a step; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
         # moves the cursor to 0.
-        count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
-        ring_head = slot * num_v_heads + h
-        ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
-        if CHANNEL:
-            ring_g = ring_g_ptr + ring_head * capacity * K
-        else:
-            ring_g = ring_g_ptr + ring_head * capacity
+        slot, h, count, ring_head, ring_k, ring_g = _fold_item(
+            item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads, num_v_heads,
+            K, heads_per_group, capacity, CHANNEL, HAS_SLOTS)
         decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K, L2NORM,
                                     CHANNEL, M, BLOCK_K, PRECISION)
         tl.debug_barrier()
@@ -403,19 +414,10 @@ def _commit_fold_rows_kernel(
     cols = tl.arange(0, BLOCK_K)
     # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
     for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
-        b = tl.load(fold_list_ptr + item // num_v_heads)
-        h = item % num_v_heads
-        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
-        # The ring's committed tokens folded into the checkpoint in fp32 from the checkpoint itself
-        # (not the read copy), with the operands kernel's coefficients; then the read copy is
-        # rebuilt from the stored checkpoint. The cursor kernel, launched next, moves the cursor to 0.
-        count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
-        ring_head = slot * num_v_heads + h
-        ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
-        if CHANNEL:
-            ring_g = ring_g_ptr + ring_head * capacity * K
-        else:
-            ring_g = ring_g_ptr + ring_head * capacity
+        # As _commit_fold_kernel's items, with the operands kernel's coefficients.
+        slot, h, count, ring_head, ring_k, ring_g = _fold_item(
+            item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads, num_v_heads,
+            K, heads_per_group, capacity, CHANNEL, HAS_SLOTS)
         head = ring_head * V * K
         for v_tile in range(NUM_V_TILES):
             rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
