@@ -276,6 +276,7 @@ SWEEP = {
     "sweep-unrolled": {"SWEEP_GROUP": 0},
     "split-fold": {"FOLD_OPERANDS_KERNEL": True},
     "split-fold-operands-8-warps": {"FOLD_OPERANDS_KERNEL": True, "OPERANDS_WARPS": 8},
+    "split-fold-operands-4-heads": {"FOLD_OPERANDS_KERNEL": True, "OPERANDS_HEADS": 4},
     "split-fold-16x4-80reg-6": {"FOLD_OPERANDS_KERNEL": True, "FOLD_ROWS": 16, "FOLD_MAXNREG": 80,
                                 "FOLD_PROGRAMS_PER_SM": 6},
 }

@@ -24,9 +24,9 @@ tokens; and the per-draft-state baseline of serving engines.
   the stored checkpoint four committed tokens a step in fp32 FMAs (``S e^{Γ} + Σ_j (v_j − S
   key_in_j) update_j``), stored, and the read copy rebuilt.
 * Split fold (``FOLD_OPERANDS_KERNEL``, :mod:`.commit_fold`): ``_commit_operands_kernel``, grid
-  ``(batch, HK)``, program ``(i, key head)`` of a listed row (the others return) computes for
-  each value head of the group ``U = diag(β) (I + B)⁻ᵀ diag(b) [M, M]``, ``a [M]`` and
-  ``e^{Γ}`` (the keys' norms and GDN Gram product once per group) into a per-call scratch; then
+  ``(batch, HV / OPERANDS_HEADS)``, a program of a listed row (the others return) computes for
+  its ``OPERANDS_HEADS`` value heads of one key group ``U = diag(β) (I + B)⁻ᵀ diag(b) [M, M]``,
+  ``a [M]`` and ``e^{Γ}`` (the keys' norms and GDN Gram product once) into a per-call scratch; then
   ``_commit_fold_rows_kernel``, grid as the fold's, folds ``BLOCK_V'`` rows at a time in two
   passes over the committed tokens in fp32 FMAs (``R_j = v_j − a_j S k_j``, then ``S e^{Γ} +
   Σ_j (R U)_j k_j``), from the raw ring keys, with no per-program scratch or barrier.
@@ -46,6 +46,7 @@ its commit copies ``intermediate[row, accepted − 1]`` into the slot
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -87,10 +88,12 @@ FOLD_PRECISION = "tf32x3"
 FOLD_PROGRAMS_PER_SM = 4
 # A register cap for the fold (None: the compiler's 255): 128 lets FOLD_PROGRAMS_PER_SM = 4 fit.
 FOLD_MAXNREG = 128
-# The fold in split form (commit_fold.py): the coefficients in a kernel of OPERANDS_WARPS warps
-# over (listed row, key head), then the rows; interpreter-tested, not yet timed on a GPU.
+# The fold in split form (commit_fold.py): the coefficients in a kernel of OPERANDS_WARPS warps,
+# OPERANDS_HEADS value heads of a key group a program (a divisor of the group; more share the Gram
+# product, fewer run more programs), then the rows; interpreter-tested, not yet timed on a GPU.
 FOLD_OPERANDS_KERNEL = False
 OPERANDS_WARPS = 4
+OPERANDS_HEADS = 1
 # (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
 INTERPRETER_SPLIT = None
@@ -235,8 +238,9 @@ def _commit_plan(K, V, num_k_heads, num_v_heads, batch, capacity, device, ck_fmt
                 **register_cap(FOLD_MAXNREG, device))
     operands_grid = operands = None
     if split:
-        operands_grid = (batch, num_k_heads)
-        operands = dict(M=M, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, BLOCK_K=block_k,
+        heads = math.gcd(OPERANDS_HEADS, num_v_heads // num_k_heads)
+        operands_grid = (batch, num_v_heads // heads)
+        operands = dict(M=M, HEADS=heads, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, BLOCK_K=block_k,
                         PRECISION=precision, num_warps=OPERANDS_WARPS if on_gpu else 4)
     else:
         fold.update(L2NORM=l2norm, PRECISION=precision)

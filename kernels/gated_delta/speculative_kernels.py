@@ -373,14 +373,16 @@ def _commit_fold_kernel(
 @triton.jit
 def _commit_operands_kernel(
     accepted_ptr, slot_ptr, fold_list_ptr, ring_k_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, operands_ptr, batch,
-    num_k_heads, num_v_heads, K, heads_per_group, capacity, M: tl.constexpr, CHANNEL: tl.constexpr,
-    L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    num_k_heads, num_v_heads, K, heads_per_group, capacity, M: tl.constexpr, HEADS: tl.constexpr,
+    CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Program ``(i, key head)``: for the ``i``-th listed row, the fold coefficients of each value
-    head of the key head's group (:func:`.ring.fold_coefficients`) into ``operands[i, h]``
-    (``[M + 2, M]`` fp32); the keys, their norms and (GDN) their Gram product once for the group."""
+    """Program ``(i, p)``: for the ``i``-th listed row, the fold coefficients of value heads ``p ·
+    HEADS …`` (one key group; :func:`.commit_fold.fold_coefficients`) into ``operands[i, h]``
+    (``[M + 2, M]`` fp32); the keys, their norms and (GDN) their Gram product once for them."""
     listed = tl.program_id(0)
-    hk = tl.program_id(1)
+    first_head = tl.program_id(1) * HEADS
+    hk = first_head // heads_per_group
     if listed < tl.load(fold_list_ptr + batch):
         b = tl.load(fold_list_ptr + listed)
         slot = _slot_of(slot_ptr, b, HAS_SLOTS)
@@ -388,8 +390,8 @@ def _commit_operands_kernel(
         ring_k = ring_k_ptr + (slot * num_k_heads + hk) * capacity * K
         r, gram = fold_keys(ring_k, count, K, L2NORM, CHANNEL, M, BLOCK_K, PRECISION)
         pos = tl.arange(0, M)
-        for member in range(heads_per_group):
-            h = hk * heads_per_group + member
+        for member in range(HEADS):
+            h = first_head + member
             ring_head = slot * num_v_heads + h
             if CHANNEL:
                 ring_g = ring_g_ptr + ring_head * capacity * K

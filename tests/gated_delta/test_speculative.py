@@ -166,12 +166,14 @@ def test_rounds_with_other_sweep_groups(monkeypatch, sweep_group, case):
     test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, *case)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[5]])
-def test_rounds_with_the_split_fold(monkeypatch, case):
-    """The commit's fold in split form: coefficients per (listed row, key head), then the rows
-    from the raw ring keys (GDN and KDA, with and without read copies, the GPU's row tiles)."""
+@pytest.mark.parametrize("heads,case", [(1, CASES[0]), (2, CASES[1]), (2, CASES[2]), (1, CASES[5])])
+def test_rounds_with_the_split_fold(monkeypatch, heads, case):
+    """The commit's fold in split form: coefficients per (listed row, ``heads`` value heads of a
+    key group), then the rows from the raw ring keys (GDN and KDA, with and without read copies,
+    the GPU's row tiles)."""
     from qstate.kernels.gated_delta import speculative
     monkeypatch.setattr(speculative, "FOLD_OPERANDS_KERNEL", True)
+    monkeypatch.setattr(speculative, "OPERANDS_HEADS", heads)
     test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, *case)
 
 
