@@ -27,7 +27,7 @@ tokens; and the per-draft-state baseline of serving engines.
   ``(batch, HV / OPERANDS_HEADS)``, a program of a listed row (the others return) computes for
   its ``OPERANDS_HEADS`` value heads of one key group ``U = diag(β) (I + B)⁻ᵀ diag(b) [M, M]``,
   ``a [M]`` and ``e^{Γ}`` (the keys' norms and GDN Gram product once) into a per-call scratch; then
-  ``_commit_fold_rows_kernel``, grid as the fold's, folds ``BLOCK_V'`` rows at a time in two
+  ``_commit_fold_kernel`` with ``SPLIT`` folds ``BLOCK_V'`` rows at a time in two
   passes over the committed tokens in fp32 FMAs (``R_j = v_j − a_j S k_j``, then ``S e^{Γ} +
   Σ_j (R U)_j k_j``), from the raw ring keys, with no per-program scratch or barrier.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
@@ -55,9 +55,8 @@ from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
 from .conventional import tile_config
-from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_fold_rows_kernel,
-                                  _commit_list_kernel, _commit_operands_kernel, _drafts_kernel, _verify_kernel,
-                                  _verify_stream_kernel)
+from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel,
+                                  _commit_operands_kernel, _drafts_kernel, _verify_kernel, _verify_stream_kernel)
 
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
 ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
@@ -108,7 +107,6 @@ _stream = CompiledLaunch(_verify_stream_kernel)
 _list = CompiledLaunch(_commit_list_kernel)
 _fold = CompiledLaunch(_commit_fold_kernel)
 _operands = CompiledLaunch(_commit_operands_kernel)
-_fold_rows = CompiledLaunch(_commit_fold_rows_kernel)
 _cursor = CompiledLaunch(_commit_cursor_kernel)
 _drafts = CompiledLaunch(_drafts_kernel)
 
@@ -233,17 +231,15 @@ def _commit_plan(K, V, num_k_heads, num_v_heads, batch, capacity, device, ck_fmt
                 RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
-                HW=codec.hardware_casts(device), CHANNEL=channel, HAS_SLOTS=has_slots, BLOCK_V=block_v,
-                BLOCK_K=block_k, NUM_V_TILES=sizes.cdiv(V, block_v), num_warps=warps,
-                **register_cap(FOLD_MAXNREG, device))
+                HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
+                BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=sizes.cdiv(V, block_v), PRECISION=precision,
+                SPLIT=split, num_warps=warps, **register_cap(FOLD_MAXNREG, device))
     operands_grid = operands = None
     if split:
         heads = math.gcd(OPERANDS_HEADS, num_v_heads // num_k_heads)
         operands_grid = (batch, num_v_heads // heads)
         operands = dict(M=M, HEADS=heads, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, BLOCK_K=block_k,
                         PRECISION=precision, num_warps=OPERANDS_WARPS if on_gpu else 4)
-    else:
-        fold.update(L2NORM=l2norm, PRECISION=precision)
     programs = max(1, min(batch * num_v_heads, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (programs,), fold, operands_grid, operands, (sizes.cdiv(batch, BLOCK_R),), cursor
@@ -275,19 +271,14 @@ def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring
                  capacity), cursor_constexprs, on_gpu)
     if split:
         # The coefficients of every (listed row, value head), [batch, HV, M + 2, M] fp32.
-        coefficients = torch.empty(batch * num_v_heads * (M + 2) * M, dtype=torch.float32, device=checkpoint.device)
-        _operands(operands_grid, (num_accepted, slot_indices, fold_list, ring_k, ring_g, ring_beta, cursor,
-                                  coefficients, batch, num_k_heads, num_v_heads, K, heads_per_group, capacity),
-                  operands, on_gpu)
-        _fold_rows(grid, (num_accepted, slot_indices, fold_list, ck, rd, rd_scale, ring_k, ring_v, ring_g, cursor,
-                          slot_flags, coefficients, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity),
-                   fold, on_gpu)
+        scratch = torch.empty(batch * num_v_heads * (M + 2) * M, dtype=torch.float32, device=checkpoint.device)
+        _operands(operands_grid, (num_accepted, slot_indices, fold_list, ring_k, ring_g, ring_beta, cursor, scratch,
+                                  batch, num_k_heads, num_v_heads, K, heads_per_group, capacity), operands, on_gpu)
     else:
         # Per call as well: each fold program's operands, [programs, 2 M + 1, BLOCK_K] fp32.
         scratch = torch.empty(grid[0] * (2 * M + 1) * fold["BLOCK_K"], dtype=torch.float32, device=checkpoint.device)
-        _fold(grid, (num_accepted, slot_indices, fold_list, ck, rd, rd_scale, ring_k, ring_v, ring_g, ring_beta,
-                     cursor, slot_flags, scratch, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity),
-              fold, on_gpu)
+    _fold(grid, (num_accepted, slot_indices, fold_list, ck, rd, rd_scale, ring_k, ring_v, ring_g, ring_beta, cursor,
+                 slot_flags, scratch, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity), fold, on_gpu)
     _cursor(cursor_grid, (num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, batch, num_slots,
                           capacity - max_draft, capacity), cursor_constexprs, on_gpu)
 

@@ -1,7 +1,6 @@
 """Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``, and
 ``_verify_stream_kernel`` in the split variant), the commit's (``_commit_list_kernel``,
-``_commit_fold_kernel`` or, split, ``_commit_operands_kernel`` and ``_commit_fold_rows_kernel``,
-``_commit_cursor_kernel``) and the per-draft-state baseline's (``_drafts_kernel``). Launched by
+``_commit_operands_kernel`` in the split fold, ``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state baseline's (``_drafts_kernel``). Launched by
 :mod:`.speculative`, whose docstring says what each does."""
 
 import triton
@@ -335,39 +334,46 @@ def _commit_fold_kernel(
     capacity, M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_K)
-    # The program's scratch [2 M + 1, BLOCK_K]: the current head's key_in and update rows (and
-    # KDA's decay), read back per V tile instead of held in registers across the tiles.
-    scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
+    if not SPLIT:
+        # The program's scratch [2 M + 1, BLOCK_K]: the current head's key_in and update rows (and
+        # KDA's decay), read back per V tile instead of held in registers across the tiles.
+        scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
     # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
     for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
         # checkpoint in fp32 from the checkpoint itself (not the read copy), four tokens a step; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
-        # moves the cursor to 0.
+        # moves the cursor to 0. SPLIT: the coefficients are _commit_operands_kernel's, in the scratch.
         slot, h, count, ring_head, ring_k, ring_g = _fold_item(
             item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads, num_v_heads,
             K, heads_per_group, capacity, CHANNEL, HAS_SLOTS)
-        decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K, L2NORM,
-                                    CHANNEL, M, BLOCK_K, PRECISION)
-        tl.debug_barrier()
-        if CHANNEL:
-            decay = tl.load(scratch + 2 * M * BLOCK_K + cols)
+        if not SPLIT:
+            decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K,
+                                        L2NORM, CHANNEL, M, BLOCK_K, PRECISION)
+            tl.debug_barrier()
+            if CHANNEL:
+                decay = tl.load(scratch + 2 * M * BLOCK_K + cols)
         head = ring_head * V * K
+        ring_v = ring_v_ptr + ring_head * capacity * V
         for v_tile in range(NUM_V_TILES):
             rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
             row_mask = rows < V
             S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
                                BLOCK_K)
-            S = fold_rows_streamed(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
-                                   count, M, BLOCK_K, CHANNEL)
+            if SPLIT:
+                S = fold_rows_by_token(S, scratch_ptr + item * ((M + 2) * M), ring_k, ring_v, ring_g, V, K, rows,
+                                       row_mask, cols, count, M, CHANNEL)
+            else:
+                S = fold_rows_streamed(S, decay, scratch, ring_v, V, rows, row_mask, cols, count, M, BLOCK_K, CHANNEL)
             _store_folded(S, slot, slot_flags_ptr, ck_ptr + head, read_ptr + head, read_scale_ptr + ring_head * V, rows,
                           row_mask, cols, K, CK_DTYPE, CK_QMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, HW,
                           BLOCK_V, BLOCK_K)
-        # The next item's operands overwrite the scratch only once every tile has read it.
-        tl.debug_barrier()
+        if not SPLIT:
+            # The next item's operands overwrite the scratch only once every tile has read it.
+            tl.debug_barrier()
 
 
 @triton.jit
@@ -403,34 +409,6 @@ def _commit_operands_kernel(
             tl.store(operands + pos[:, None] * M + pos[None, :], U)
             tl.store(operands + M * M + pos, a)
             tl.store(operands + (M + 1) * M + pos, tl.where(pos == 0, decay, 0.0))
-
-
-@triton.jit
-def _commit_fold_rows_kernel(
-    accepted_ptr, slot_ptr, fold_list_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
-    cursor_ptr, slot_flags_ptr, operands_ptr, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity,
-    M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
-    RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr,
-):
-    cols = tl.arange(0, BLOCK_K)
-    # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
-    for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
-        # As _commit_fold_kernel's items, with the operands kernel's coefficients.
-        slot, h, count, ring_head, ring_k, ring_g = _fold_item(
-            item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads, num_v_heads,
-            K, heads_per_group, capacity, CHANNEL, HAS_SLOTS)
-        head = ring_head * V * K
-        for v_tile in range(NUM_V_TILES):
-            rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            row_mask = rows < V
-            S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
-                               BLOCK_K)
-            S = fold_rows_by_token(S, operands_ptr + item * ((M + 2) * M), ring_k, ring_v_ptr + ring_head * capacity * V,
-                                   ring_g, V, K, rows, row_mask, cols, count, M, CHANNEL)
-            _store_folded(S, slot, slot_flags_ptr, ck_ptr + head, read_ptr + head, read_scale_ptr + ring_head * V, rows,
-                          row_mask, cols, K, CK_DTYPE, CK_QMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, HW,
-                          BLOCK_V, BLOCK_K)
 
 
 @triton.jit
