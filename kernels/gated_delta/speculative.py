@@ -247,15 +247,15 @@ def _commit_plan(K, V, num_k_heads, num_v_heads, batch, capacity, device, ck_fmt
 
 def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
                   cursor, drafts, commit_errors, slot_flags, *, checkpoint_format, read_format, max_draft: int,
-                  use_qk_l2norm: bool, split=None) -> None:
+                  use_qk_l2norm: bool) -> None:
     """Launch one commit (fold list, fold, then cursors) on validated arguments: ``num_accepted
     (batch,)`` int32/int64, ``slot_indices (batch,)`` or None, the cache's tensors contiguous.
-    ``split``: the fold in split form (coefficients kernel, then rows kernel, through an fp32
-    scratch of ``batch · HV · (M + 2) · M`` allocated per call); None: ``FOLD_OPERANDS_KERNEL``."""
+    With ``FOLD_OPERANDS_KERNEL`` the fold's coefficients kernel runs first, through an fp32
+    scratch of ``batch · HV · (M + 2) · M`` allocated per call."""
     batch = num_accepted.shape[0]
     num_slots, num_v_heads, V, K = checkpoint.shape
     num_k_heads, capacity = ring_k.shape[1], ring_k.shape[2]
-    split = FOLD_OPERANDS_KERNEL if split is None else bool(split)
+    split = FOLD_OPERANDS_KERNEL
     grid, fold, operands_grid, operands, cursor_grid, cursor_constexprs = _commit_plan(
         K, V, num_k_heads, num_v_heads, batch, capacity, checkpoint.device, checkpoint_format, read_format,
         ring_g.dim() == 4, use_qk_l2norm, slot_indices is not None, split)
