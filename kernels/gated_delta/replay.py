@@ -30,7 +30,10 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
   checkpoint's format and rebuilds the read copy from the stored checkpoint.
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
-step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
+step can be captured in a CUDA graph. Listed flush (``FLUSH_LISTED``): a one-program list
+kernel writes the flushing rows (cursor ``L − 1``, slot in the cache) and their count into an
+int32 ``(batch + 1,)``, and ``FLUSH_PROGRAMS_PER_SM`` persistent flush programs per
+multiprocessor take its (row, value head, V tile) items in turn, the same tile work. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
 the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
 A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
@@ -52,10 +55,11 @@ import functools
 
 import torch
 
-from ..common import codec, sizes
+from ..common import codec, gpu, sizes
 from ..common.launch import CompiledLaunch
 from . import tile
-from .replay_kernels import _advance_cursors_kernel, _replay_flush_kernel, _replay_step_kernel, _replay_stream_kernel
+from .replay_kernels import (_advance_cursors_kernel, _flush_list_kernel, _replay_flush_kernel, _replay_step_kernel,
+                             _replay_stream_kernel)
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
 # and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
@@ -78,6 +82,10 @@ INTERPRETER_SPLIT = None
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
+# Flush over a list of the flushing rows, FLUSH_PROGRAMS_PER_SM persistent programs per
+# multiprocessor, instead of a program per (row, head) that mostly returns at once; not yet timed.
+FLUSH_LISTED = False
+FLUSH_PROGRAMS_PER_SM = 1
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -88,14 +96,15 @@ _step = CompiledLaunch(_replay_step_kernel)
 _advance = CompiledLaunch(_advance_cursors_kernel)
 _stream = CompiledLaunch(_replay_stream_kernel)
 _flush = CompiledLaunch(_replay_flush_kernel)
+_flush_list = CompiledLaunch(_flush_list_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read, rd_code, rd_gran, rd_qmax, rd_emax,
-          channel, l2norm, has_slots, out_bf16, split):
+          channel, l2norm, has_slots, out_bf16, split, listed):
     """``(step grid, step constexprs, flush grid, flush constexprs, cursor grid, cursor
     constexprs, stream grid, stream constexprs)`` of a call's metadata (the last two None
-    without ``split``)."""
+    without ``split``; the cursor constexprs also the flush list's)."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     v_loop, warps = 1, 4
@@ -119,7 +128,10 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, PRECISION=precision, num_warps=flush_warps)
+                 BLOCK_K=block_k, PRECISION=precision, LISTED=listed, num_warps=flush_warps)
+    flush_grid = (sizes.cdiv(V, flush_v), num_v_heads, batch)
+    if listed:
+        flush_grid = (max(1, min(batch * num_v_heads * flush_grid[0], FLUSH_PROGRAMS_PER_SM * gpu.sm_count(device))),)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     stream_grid = stream = None
     if split:
@@ -134,8 +146,8 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
         stream = dict(L=ring_len, RING_PAD=step["RING_PAD"], BASE_DTYPE=rd_code if has_read else ck_code,
                       BASE_GRAN=rd_gran if has_read else 0, HW=step["HW"], HAS_SLOTS=has_slots, OUT_BF16=out_bf16,
                       BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
-            flush, (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, flush_grid, flush,
+            (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool,
@@ -144,7 +156,9 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
     ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
     HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
     int or None. ``split``: the split variant (the stream kernel before the cursor's, and an fp32
-    scratch of ``batch · HV · (BLOCK_K + RING_PAD)`` allocated per call); None: ``SPLIT``."""
+    scratch of ``batch · HV · (BLOCK_K + RING_PAD)`` allocated per call); None: ``SPLIT``. With
+    ``FLUSH_LISTED`` the list kernel runs before the flush, into an int32 ``(batch + 1,)``
+    allocated per call."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]
     ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
@@ -155,7 +169,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
         K, V, num_v_heads, batch, cache.device, cache.ring_len, codec.dtype_code(ck_fmt), codec.qmax(ck_fmt),
         has_read, codec.dtype_code(rd_fmt) if has_read else 0, codec.granularity_code(rd_fmt) if has_read else 0,
         codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
-        slot_indices is not None, out_bf16, split)
+        slot_indices is not None, out_bf16, split, FLUSH_LISTED)
     checkpoint = codec.storage_view(cache.checkpoint, ck_fmt)
     read = codec.storage_view(cache.read, rd_fmt) if has_read else checkpoint
     read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
@@ -170,7 +184,11 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
-    _flush(flush_grid, args[:16] + args[17:], flush, on_gpu)
+    flush_list = checkpoint
+    if flush["LISTED"]:
+        flush_list = torch.empty(batch + 1, dtype=torch.int32, device=cache.device)
+        _flush_list((1,), (slot_indices, cache.cursor, flush_list, batch, cache.num_slots), advance, on_gpu)
+    _flush(flush_grid, args[:16] + args[17:] + (flush_list, batch), flush, on_gpu)
     if split:
         _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
                               scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),

@@ -1,6 +1,6 @@
 """Replay decode kernels of the gated delta rule: the step kernel (normal rows' outputs and ring
 appends; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the flush
-kernel (rows whose ring fills), the stream kernel of the split variant (normal rows' outputs from
+kernel (rows whose ring fills) and its list kernel, the stream kernel of the split variant (normal rows' outputs from
 that scratch) and the cursor kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
 
 import triton
@@ -221,32 +221,70 @@ def _replay_flush_kernel(
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
     qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
-    s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+    s_beta_batch, s_beta_head, s_out_batch, s_out_head, flush_list_ptr, batch,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, LISTED: tl.constexpr,
 ):
     """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
     folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
     (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and the
-    read copy rebuilt from it. Every other row returns after two loads (the step kernel's)."""
-    v_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
+    read copy rebuilt from it. Grid ``(V tiles, HV, batch)``: every other row returns after two
+    loads (the step kernel's). ``LISTED``: grid ``(programs,)``, each taking the items (listed row,
+    value head, V tile) of ``flush_list`` (:func:`_flush_list_kernel`'s) in turn."""
+    if LISTED:
+        v_tiles = tl.cdiv(V, BLOCK_V)
+        for item in range(tl.program_id(0), tl.load(flush_list_ptr + batch) * num_v_heads * v_tiles,
+                          tl.num_programs(0)):
+            b = tl.load(flush_list_ptr + item // (num_v_heads * v_tiles))
+            h = item // v_tiles % num_v_heads
+            if HAS_SLOTS:
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+            else:
+                slot = b.to(tl.int64)
+            _flush_tile(b, slot, item % v_tiles, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr,
+                        read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
+                        num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
+                        s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+                        L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM,
+                        OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
     else:
-        slot = b.to(tl.int64)
-    in_cache = (slot >= 0) & (slot < num_slots)
-    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
-    if in_cache & (n == L - 1):
-        _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr, read_scale_ptr,
-                    ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale, num_k_heads, num_v_heads,
-                    K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch,
-                    s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE,
-                    RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
+        b = tl.program_id(2)
+        if HAS_SLOTS:
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+        else:
+            slot = b.to(tl.int64)
+        in_cache = (slot >= 0) & (slot < num_slots)
+        n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+        if in_cache & (n == L - 1):
+            _flush_tile(b, slot, tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+                        ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr,
+                        qk_scale, num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch,
+                        s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch,
+                        s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW,
+                        CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _flush_list_kernel(slot_ptr, cursor_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
+                       HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: the batch rows that flush (a slot in the cache, cursor ``L − 1``), in order,
+    into ``flush_list[0 … count)``, and ``count`` into ``flush_list[batch]``."""
+    count = 0
+    for start in range(0, batch, BLOCK_R):
+        batch_rows = start + tl.arange(0, BLOCK_R)
+        in_batch = batch_rows < batch
+        if HAS_SLOTS:
+            slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
+        else:
+            slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+        live = (slots >= 0) & (slots < num_slots)
+        flushes = (live & (tl.load(cursor_ptr + slots, mask=live, other=0) == L - 1)).to(tl.int32)
+        tl.store(flush_list_ptr + count + tl.cumsum(flushes, axis=0) - 1, batch_rows, mask=flushes != 0)
+        count += tl.sum(flushes, axis=0)
+    tl.store(flush_list_ptr + batch, count)
 
 
 @triton.jit

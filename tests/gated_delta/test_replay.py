@@ -133,10 +133,17 @@ def test_against_decode_replay_end_to_end(channel):
     assert rel_rms(cache.materialize([0, 1]), final) < bound(K, T)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-kernel", "split"], indirect=True)
-def test_staggered_cursors_slot_indices_padding_and_reset(split):
+@pytest.mark.parametrize("split,listed", [(False, False), (True, False), (True, True)],
+                         ids=["one-kernel", "split", "split-listed-flush"], indirect=["split"])
+def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, split, listed):
     """Slots advanced to different cursors, then steps over all of them with padding rows; a
-    mid-stream reset starts its slot afresh; untouched slots stay bit for bit."""
+    mid-stream reset starts its slot afresh; untouched slots stay bit for bit. ``listed``: the
+    flush over its list of rows, one program taking every (row, head, V tile) in turn, V in tiles
+    of 4 rows."""
+    from qstate.kernels.gated_delta import replay
+    monkeypatch.setattr(replay, "FLUSH_LISTED", listed)
+    if listed:
+        monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
     L = 4
     cache = allocate(5, channel=True, ring_len=L, read="fp8_e4m3:row")
     cache.reset(range(5), torch.randn(5, 2, 16, 32, generator=torch.Generator().manual_seed(9)))
