@@ -203,7 +203,7 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
         flush_list = checkpoint
         if flush["LISTED"]:
             flush_list = torch.empty(batch + 1, dtype=torch.int32, device=cache.device)
-            _flush_list((1,), (slot_indices, cache.cursor, flush_list, batch, cache.num_slots), advance, on_gpu)
+            _flush_list((1,), (cache.cursor, slot_indices, flush_list, batch, cache.num_slots), advance, on_gpu)
         _flush(flush_grid, args[:16] + args[17:] + (flush_list, batch), flush, on_gpu)
     if split:
         _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,

@@ -280,7 +280,7 @@ def _replay_flush_kernel(
 
 
 @triton.jit
-def _flush_list_kernel(slot_ptr, cursor_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
+def _flush_list_kernel(cursor_ptr, slot_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
                        HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program: the batch rows that flush (a slot in the cache, cursor ``L − 1``), in order,
     into ``flush_list[0 … count)``, and ``count`` into ``flush_list[batch]``."""
