@@ -220,15 +220,12 @@ def check_kernel(device):
     f4, r4 = check_replay_variant(device, "split", SPLIT=True)
     f5, r5 = check_replay_variant(device, "split chunked", SPLIT=True, MIN_PROGRAMS=0)
     f6, r6 = check_replay_variant(device, "listed flush", FLUSH_LISTED=True)
-    f7, r7 = check_replay_variant(device, "flush in step", FLUSH_IN_STEP_BELOW_BATCH=1 << 30)
     graph = check_graph(device)
     with _replay_constants(SPLIT=True):
         graph += [f"{f} [split]" for f in check_graph(device)]
     with _replay_constants(FLUSH_LISTED=True):
         graph += [f"{f} [listed flush]" for f in check_graph(device)]
-    with _replay_constants(FLUSH_IN_STEP_BELOW_BATCH=1 << 30):
-        graph += [f"{f} [flush in step]" for f in check_graph(device)]
-    return f1 + f2 + f3 + f4 + f5 + f6 + f7 + graph, r1 + r2 + r3 + r4 + r5 + r6 + r7
+    return f1 + f2 + f3 + f4 + f5 + f6 + graph, r1 + r2 + r3 + r4 + r5 + r6
 
 
 @contextlib.contextmanager
@@ -252,8 +249,7 @@ def check_replay_variant(device, tag, **constants):
     """:func:`check_replay` with the replay launcher's constants set: ``MIN_PROGRAMS=0`` gives the
     large-batch program shape (``V_LOOP`` chunks per program, the sweep's result reused across
     them), which its small grids would otherwise never reach; ``SPLIT=True`` the split variant;
-    ``FLUSH_LISTED=True`` the flush over its list of rows; ``FLUSH_IN_STEP_BELOW_BATCH`` above the
-    batch the flush by the step kernel."""
+    ``FLUSH_LISTED=True`` the flush over its list of rows."""
     with _replay_constants(**constants):
         failures, report = check_replay(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
@@ -388,8 +384,6 @@ REPLAY_SWEEP = {
     "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
     "flush-128x4w": {"FLUSH_WARPS": 4},
     "flush-listed": {"FLUSH_LISTED": True},
-    "flush-listed-2-per-sm": {"FLUSH_LISTED": True, "FLUSH_PROGRAMS_PER_SM": 2},
-    "flush-in-step": {"FLUSH_IN_STEP_BELOW_BATCH": 1 << 30},
 }
 
 
@@ -427,7 +421,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 45 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 40 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():
@@ -437,7 +431,7 @@ def sweep_cases(device):
     for ck, rd in REPLAY_FORMATS:
         for tag, constants in REPLAY_SWEEP.items():
             out.append(_retagged(replay_case(256, MAIN, ck, rd, device, staggered=True), tag, _REPLAY, constants))
-    for tag in ("default", "fused", "s16x2w", "flush-listed", "flush-in-step"):
+    for tag in ("default", "fused", "s16x2w", "flush-listed"):
         out.append(_retagged(replay_case(16, MAIN, "fp32", "fp8_e4m3:row", device), tag, _REPLAY, REPLAY_SWEEP[tag]))
     return out
 

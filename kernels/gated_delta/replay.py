@@ -33,10 +33,7 @@ The flush decision is each program's own (from the cursor on the device): no hos
 step can be captured in a CUDA graph. Listed flush (``FLUSH_LISTED``): a one-program list
 kernel writes the flushing rows (cursor ``L − 1``, slot in the cache) and their count into an
 int32 ``(batch + 1,)``, and ``FLUSH_PROGRAMS_PER_SM`` persistent flush programs per
-multiprocessor take its (row, value head, V tile) items in turn, the same tile work. Flush in
-the step (below ``FLUSH_IN_STEP_BELOW_BATCH``): no split and no flush launch; a step program of
-a flushing row does the flush kernel's work for its chunks of V (the fold reads no ring entry
-at ``L − 1``, which other programs of the launch may be writing), so a step is two launches. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
+multiprocessor take its (row, value head, V tile) items in turn, the same tile work. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
 the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
 A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
@@ -89,11 +86,6 @@ FOLD_PRECISION = "tf32x3"
 # multiprocessor, instead of a program per (row, head) that mostly returns at once; not yet timed.
 FLUSH_LISTED = False
 FLUSH_PROGRAMS_PER_SM = 1
-# Below this batch the step kernel folds its flushing rows itself (no flush or stream launch; a
-# step is two launches) on FUSED_ROWS rows at K = 128 (tl.dot takes ≥ 16) and FUSED_WARPS warps.
-FLUSH_IN_STEP_BELOW_BATCH = 0
-FUSED_ROWS = 16
-FUSED_WARPS = 4
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -112,16 +104,11 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
           channel, l2norm, has_slots, out_bf16, split, listed):
     """``(step grid, step constexprs, flush grid, flush constexprs, cursor grid, cursor
     constexprs, stream grid, stream constexprs)`` of a call's metadata (the last two None
-    without ``split``, the flush grid None where the step kernel flushes; the cursor constexprs
-    also the flush list's)."""
+    without ``split``; the cursor constexprs also the flush list's)."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     v_loop, warps = 1, 4
-    flush_in_step = batch < FLUSH_IN_STEP_BELOW_BATCH
-    split = split and not flush_in_step
-    if flush_in_step and device.type == "cuda":
-        block_v, warps = min(max(16, FUSED_ROWS * 128 // block_k), whole), FUSED_WARPS
-    elif device.type == "cuda":
+    if device.type == "cuda":
         block_v = min(max(1, TILE_ROWS * 128 // block_k), whole)
         v_loop, warps = min(V_LOOP, sizes.cdiv(V, block_v)), WARPS
         while v_loop > 1 and batch * num_v_heads * sizes.cdiv(V, block_v * v_loop) < MIN_PROGRAMS:
@@ -138,13 +125,12 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
                                                      INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
-    step.update(FLUSH_IN_STEP=flush_in_step, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, PRECISION=precision)
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
                  BLOCK_K=block_k, PRECISION=precision, LISTED=listed, num_warps=flush_warps)
-    flush_grid = None if flush_in_step else (sizes.cdiv(V, flush_v), num_v_heads, batch)
-    if listed and not flush_in_step:
+    flush_grid = (sizes.cdiv(V, flush_v), num_v_heads, batch)
+    if listed:
         flush_grid = (max(1, min(batch * num_v_heads * flush_grid[0], FLUSH_PROGRAMS_PER_SM * gpu.sm_count(device))),)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     stream_grid = stream = None
@@ -189,7 +175,6 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
     read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
     out_view = out.view(torch.int16) if out_bf16 else out
     on_gpu = cache.device.type == "cuda"
-    split = step["SPLIT"]
     # Per call, so a CUDA graph captures its own (torch's graph pool) and calls never share one.
     scratch = (torch.empty(batch * num_v_heads * (step["BLOCK_K"] + step["RING_PAD"]), dtype=torch.float32,
                            device=cache.device) if split else checkpoint)
@@ -199,12 +184,11 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
-    if flush_grid is not None:
-        flush_list = checkpoint
-        if flush["LISTED"]:
-            flush_list = torch.empty(batch + 1, dtype=torch.int32, device=cache.device)
-            _flush_list((1,), (cache.cursor, slot_indices, flush_list, batch, cache.num_slots), advance, on_gpu)
-        _flush(flush_grid, args[:16] + args[17:] + (flush_list, batch), flush, on_gpu)
+    flush_list = checkpoint
+    if flush["LISTED"]:
+        flush_list = torch.empty(batch + 1, dtype=torch.int32, device=cache.device)
+        _flush_list((1,), (cache.cursor, slot_indices, flush_list, batch, cache.num_slots), advance, on_gpu)
+    _flush(flush_grid, args[:16] + args[17:] + (flush_list, batch), flush, on_gpu)
     if split:
         _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
                               scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),

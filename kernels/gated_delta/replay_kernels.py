@@ -52,8 +52,6 @@ def _replay_step_kernel(
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
-    FLUSH_IN_STEP: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, CK_QMAX: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,17 +105,7 @@ def _replay_step_kernel(
             if h % heads_per_group == 0:
                 tl.store(ring_k + n * K + cols, k_raw.to(ring_k_ptr.dtype.element_ty), mask=cols < K)
         head = ring_head * V * K
-        # A flushing row (n = L − 1) is the flush kernel's, or with FLUSH_IN_STEP this program's
-        # (the flush reads no ring entry at n, which other programs of the launch may be writing).
-        if FLUSH_IN_STEP and n == L - 1:
-            for chunk in range(V_LOOP):
-                _flush_tile(b, slot, v_part * V_LOOP + chunk, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr,
-                            read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr,
-                            qk_scale, num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head,
-                            s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch,
-                            s_beta_head, s_out_batch, s_out_head, L, RING_PAD, CK_DTYPE, HAS_READ, RD_DTYPE,
-                            RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K,
-                            PRECISION)
+        # A flushing row (n = L − 1) is the flush kernel's.
         if n < L - 1:
             if SPLIT:
                 # The split variant: T and each token's c go to the scratch (c by ring position, the

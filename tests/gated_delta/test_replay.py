@@ -133,18 +133,16 @@ def test_against_decode_replay_end_to_end(channel):
     assert rel_rms(cache.materialize([0, 1]), final) < bound(K, T)
 
 
-@pytest.mark.parametrize("split,flush", [(False, "kernel"), (True, "kernel"), (True, "listed"), (True, "in-step")],
-                         ids=["one-kernel", "split", "split-listed-flush", "flush-in-step"], indirect=["split"])
-def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, split, flush):
+@pytest.mark.parametrize("split,listed", [(False, False), (True, False), (True, True)],
+                         ids=["one-kernel", "split", "split-listed-flush"], indirect=["split"])
+def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, split, listed):
     """Slots advanced to different cursors, then steps over all of them with padding rows; a
-    mid-stream reset starts its slot afresh; untouched slots stay bit for bit. The flush by its
-    own kernel; over its list of rows (one program taking every (row, head, V tile) in turn); or
-    by the step kernel's programs (no split, no flush launch); the last two with V in programs of
-    two chunks of 4 rows."""
+    mid-stream reset starts its slot afresh; untouched slots stay bit for bit. ``listed``: the
+    flush over its list of rows, one program taking every (row, head, V tile) in turn, V in tiles
+    of 4 rows."""
     from qstate.kernels.gated_delta import replay
-    monkeypatch.setattr(replay, "FLUSH_LISTED", flush == "listed")
-    monkeypatch.setattr(replay, "FLUSH_IN_STEP_BELOW_BATCH", 8 if flush == "in-step" else 0)
-    if flush != "kernel":
+    monkeypatch.setattr(replay, "FLUSH_LISTED", listed)
+    if listed:
         monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
     L = 4
     cache = allocate(5, channel=True, ring_len=L, read="fp8_e4m3:row")
