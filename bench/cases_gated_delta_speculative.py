@@ -172,17 +172,11 @@ def check_graph(device, batch=64, rounds=12, T=4):
 
 
 def check_kernel(device):
-    """Every check of this module, the rounds also with the commit's split fold; (failures,
-    report rows)."""
+    """Every check of this module; (failures, report rows)."""
     f1, r1 = check_rounds(device)
-    split = {}
-    with_constants(_SPECULATIVE, {"FOLD_OPERANDS_KERNEL": True},
-                   lambda _: split.update(zip(("failures", "rows"), check_rounds(device, rounds=12, T=4, L=16))))(None)
     f2, r2 = check_baseline(device)
     f3 = check_graph(device)
-    return (f1 + split["failures"] + f2 + f3,
-            r1 + [dict(row, variant="split fold") for row in split["rows"]] + r2
-            + [dict(check="gdn-spec CUDA graph == eager", failures=f3)])
+    return f1 + f2 + f3, r1 + r2 + [dict(check="gdn-spec CUDA graph == eager", failures=f3)]
 
 
 # ---------------------------------------------------------------------------- timing
@@ -274,11 +268,6 @@ _SPECULATIVE = "qstate.kernels.gated_delta.speculative"
 SWEEP = {
     "default": {},
     "sweep-unrolled": {"SWEEP_GROUP": 0},
-    "split-fold": {"FOLD_OPERANDS_KERNEL": True},
-    "split-fold-operands-8-warps": {"FOLD_OPERANDS_KERNEL": True, "OPERANDS_WARPS": 8},
-    "split-fold-operands-4-heads": {"FOLD_OPERANDS_KERNEL": True, "OPERANDS_HEADS": 4},
-    "split-fold-16x4-80reg-6": {"FOLD_OPERANDS_KERNEL": True, "FOLD_ROWS": 16, "FOLD_MAXNREG": 80,
-                                "FOLD_PROGRAMS_PER_SM": 6},
 }
 
 

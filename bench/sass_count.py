@@ -242,8 +242,7 @@ def launch_gdn_commit(read, T=4, batch=BATCH):
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_commit_plan")
     speculative.gpu.sm_count = lambda device: H100_SMS  # the fold's grid, with no GPU to ask
-    launches = record(speculative, ["_commit_list_kernel", "_commit_operands_kernel", "_commit_fold_kernel",
-                                      "_commit_cursor_kernel"])
+    launches = record(speculative, ["_commit_list_kernel", "_commit_fold_kernel", "_commit_cursor_kernel"])
     HK, HV, K, V = GDN_LAYER
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
                                                   device="cpu", max_draft=T)

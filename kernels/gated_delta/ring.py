@@ -7,10 +7,10 @@ import triton.language as tl
 
 from . import tile
 
-# Tokens per step of fold_rows_streamed (and commit_fold.fold_rows_by_token), their loads in
-# flight together (M, a power of two ≥ 16, is a multiple).
+# Tokens per step of fold_rows_streamed, their loads in flight together (M, a power of two ≥ 16,
+# is a multiple).
 FOLD_TOKENS_PER_STEP: tl.constexpr = tl.constexpr(4)
-# Key columns per pass of stage_fold_operands (and commit_fold's): [M, 32] pieces keep the operands'
+# Key columns per pass of stage_fold_operands: [M, 32] pieces keep the operands'
 # registers low (a power of two ≥ 16 for tl.dot, ≤ BLOCK_K).
 FOLD_KEY_COLUMNS: tl.constexpr = tl.constexpr(32)
 

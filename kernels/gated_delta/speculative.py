@@ -23,13 +23,6 @@ tokens; and the per-draft-state baseline of serving engines.
   pieces hold registers, products at ``FOLD_PRECISION`` on a GPU) into the program's scratch, then per ``BLOCK_V'`` rows of V the checkpoint folded from
   the stored checkpoint four committed tokens a step in fp32 FMAs (``S e^{Γ} + Σ_j (v_j − S
   key_in_j) update_j``), stored, and the read copy rebuilt.
-* Split fold (``FOLD_OPERANDS_KERNEL``, :mod:`.commit_fold`): ``_commit_operands_kernel``, grid
-  ``(batch, HV / OPERANDS_HEADS)``, a program of a listed row (the others return) computes for
-  its ``OPERANDS_HEADS`` value heads of one key group ``U = diag(β) (I + B)⁻ᵀ diag(b) [M, M]``,
-  ``a [M]`` and ``e^{Γ}`` (the keys' norms and GDN Gram product once) into a per-call scratch; then
-  ``_commit_fold_kernel`` with ``SPLIT`` folds ``BLOCK_V'`` rows at a time in two
-  passes over the committed tokens in fp32 FMAs (``R_j = v_j − a_j S k_j``, then ``S e^{Γ} +
-  Σ_j (R U)_j k_j``), from the raw ring keys, with no per-program scratch or barrier.
 * ``_commit_cursor_kernel``, grid ``(cdiv(batch, BLOCK_R),)``, after the fold: ``cursor ← n +
   accepted`` (0 after a fold), ``drafts ← 0``. A row whose slot has no pending drafts, or whose
   ``accepted`` lies outside ``0 … drafts``, leaves the slot untouched and ORs
@@ -46,7 +39,6 @@ its commit copies ``intermediate[row, accepted − 1]`` into the slot
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -55,8 +47,8 @@ from ..common.copy_accepted import launch_copy_accepted
 from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
 from .conventional import tile_config
-from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel,
-                                  _commit_operands_kernel, _drafts_kernel, _verify_kernel, _verify_stream_kernel)
+from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel, _drafts_kernel,
+                                  _verify_kernel, _verify_stream_kernel)
 
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
 ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
@@ -87,12 +79,6 @@ FOLD_PRECISION = "tf32x3"
 FOLD_PROGRAMS_PER_SM = 4
 # A register cap for the fold (None: the compiler's 255): 128 lets FOLD_PROGRAMS_PER_SM = 4 fit.
 FOLD_MAXNREG = 128
-# The fold in split form (commit_fold.py): the coefficients in a kernel of OPERANDS_WARPS warps,
-# OPERANDS_HEADS value heads of a key group a program (a divisor of the group; more share the Gram
-# product, fewer run more programs), then the rows; interpreter-tested, not yet timed on a GPU.
-FOLD_OPERANDS_KERNEL = False
-OPERANDS_WARPS = 4
-OPERANDS_HEADS = 1
 # (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
 INTERPRETER_SPLIT = None
@@ -106,7 +92,6 @@ _verify = CompiledLaunch(_verify_kernel)
 _stream = CompiledLaunch(_verify_stream_kernel)
 _list = CompiledLaunch(_commit_list_kernel)
 _fold = CompiledLaunch(_commit_fold_kernel)
-_operands = CompiledLaunch(_commit_operands_kernel)
 _cursor = CompiledLaunch(_commit_cursor_kernel)
 _drafts = CompiledLaunch(_drafts_kernel)
 
@@ -214,71 +199,52 @@ def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_sc
 
 
 @functools.lru_cache(maxsize=1024)
-def _commit_plan(K, V, num_k_heads, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, channel, l2norm,
-                 has_slots, split):
-    """``(fold grid, fold constexprs, operands grid, operands constexprs, cursor grid, list and
-    cursor constexprs)``; the operands' None unless ``split``."""
+def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, channel, l2norm, has_slots):
+    """``(fold grid, fold constexprs, cursor grid, list and cursor constexprs)``."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
-    on_gpu = device.type == "cuda"
-    if on_gpu:
+    if device.type == "cuda":
         block_v, warps, precision = max(16, min(FOLD_ROWS * 128 // block_k, whole)), FOLD_WARPS, FOLD_PRECISION
     else:
         block_v, warps, precision = (INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else whole), 4, "ieee"
     has_read = rd_fmt is not None
-    M = max(16, sizes.next_power_of_2(capacity))
-    fold = dict(M=M, CK_DTYPE=codec.dtype_code(ck_fmt), CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read,
-                RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
+    fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt),
+                CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read, RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=sizes.cdiv(V, block_v), PRECISION=precision,
-                SPLIT=split, num_warps=warps, **register_cap(FOLD_MAXNREG, device))
-    operands_grid = operands = None
-    if split:
-        heads = math.gcd(OPERANDS_HEADS, num_v_heads // num_k_heads)
-        operands_grid = (batch, num_v_heads // heads)
-        operands = dict(M=M, HEADS=heads, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, BLOCK_K=block_k,
-                        PRECISION=precision, num_warps=OPERANDS_WARPS if on_gpu else 4)
+                num_warps=warps, **register_cap(FOLD_MAXNREG, device))
     programs = max(1, min(batch * num_v_heads, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
-    return (programs,), fold, operands_grid, operands, (sizes.cdiv(batch, BLOCK_R),), cursor
+    return (programs,), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
 
 
 def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
                   cursor, drafts, commit_errors, slot_flags, *, checkpoint_format, read_format, max_draft: int,
                   use_qk_l2norm: bool) -> None:
     """Launch one commit (fold list, fold, then cursors) on validated arguments: ``num_accepted
-    (batch,)`` int32/int64, ``slot_indices (batch,)`` or None, the cache's tensors contiguous.
-    With ``FOLD_OPERANDS_KERNEL`` the fold's coefficients kernel runs first, through an fp32
-    scratch of ``batch · HV · (M + 2) · M`` allocated per call."""
+    (batch,)`` int32/int64, ``slot_indices (batch,)`` or None, the cache's tensors contiguous."""
     batch = num_accepted.shape[0]
     num_slots, num_v_heads, V, K = checkpoint.shape
     num_k_heads, capacity = ring_k.shape[1], ring_k.shape[2]
-    split = FOLD_OPERANDS_KERNEL
-    grid, fold, operands_grid, operands, cursor_grid, cursor_constexprs = _commit_plan(
-        K, V, num_k_heads, num_v_heads, batch, capacity, checkpoint.device, checkpoint_format, read_format,
-        ring_g.dim() == 4, use_qk_l2norm, slot_indices is not None, split)
+    grid, fold, cursor_grid, cursor_constexprs = _commit_plan(
+        K, V, num_v_heads, batch, capacity, checkpoint.device, checkpoint_format, read_format, ring_g.dim() == 4,
+        use_qk_l2norm, slot_indices is not None)
     ck = codec.storage_view(checkpoint, checkpoint_format)
     rd = codec.storage_view(read, read_format) if read is not None else ck
     rd_scale = read_scale if read_scale is not None else ck
     on_gpu = checkpoint.is_cuda
-    heads_per_group = num_v_heads // num_k_heads
-    M = fold["M"]
     # Per call, as the verify's scratch: the rows that fold, then their count.
     fold_list = torch.empty(batch + 1, dtype=torch.int32, device=checkpoint.device)
     _list((1,), (num_accepted, slot_indices, cursor, drafts, fold_list, batch, num_slots, capacity - max_draft,
                  capacity), cursor_constexprs, on_gpu)
-    if split:
-        # The coefficients of every (listed row, value head), [batch, HV, M + 2, M] fp32.
-        scratch = torch.empty(batch * num_v_heads * (M + 2) * M, dtype=torch.float32, device=checkpoint.device)
-        _operands(operands_grid, (num_accepted, slot_indices, fold_list, ring_k, ring_g, ring_beta, cursor, scratch,
-                                  batch, num_k_heads, num_v_heads, K, heads_per_group, capacity), operands, on_gpu)
-    else:
-        # Per call as well: each fold program's operands, [programs, 2 M + 1, BLOCK_K] fp32.
-        scratch = torch.empty(grid[0] * (2 * M + 1) * fold["BLOCK_K"], dtype=torch.float32, device=checkpoint.device)
+    # Per call as well: each fold program's operands, [programs, 2 M + 1, BLOCK_K] fp32.
+    scratch = torch.empty(grid[0] * (2 * fold["M"] + 1) * fold["BLOCK_K"], dtype=torch.float32,
+                          device=checkpoint.device)
     _fold(grid, (num_accepted, slot_indices, fold_list, ck, rd, rd_scale, ring_k, ring_v, ring_g, ring_beta, cursor,
-                 slot_flags, scratch, batch, num_k_heads, num_v_heads, K, V, heads_per_group, capacity), fold, on_gpu)
+                 slot_flags, scratch, batch, num_k_heads, num_v_heads, K, V, num_v_heads // num_k_heads,
+                 capacity), fold, on_gpu)
     _cursor(cursor_grid, (num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, batch, num_slots,
                           capacity - max_draft, capacity), cursor_constexprs, on_gpu)
 

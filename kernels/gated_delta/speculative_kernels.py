@@ -1,6 +1,7 @@
 """Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``, and
 ``_verify_stream_kernel`` in the split variant), the commit's (``_commit_list_kernel``,
-``_commit_operands_kernel`` in the split fold, ``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state baseline's (``_drafts_kernel``). Launched by
+``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state baseline's
+(``_drafts_kernel``). Launched by
 :mod:`.speculative`, whose docstring says what each does."""
 
 import triton
@@ -8,7 +9,6 @@ import triton.language as tl
 
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
-from .commit_fold import fold_coefficients, fold_keys, fold_rows_by_token
 from .ring import apply_token, fold_rows_streamed, ring_token, stage_fold_operands
 
 # Bits of ``commit_errors`` the commit sets.
@@ -334,28 +334,26 @@ def _commit_fold_kernel(
     capacity, M: tl.constexpr, CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
     CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_V_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_K)
-    if not SPLIT:
-        # The program's scratch [2 M + 1, BLOCK_K]: the current head's key_in and update rows (and
-        # KDA's decay), read back per V tile instead of held in registers across the tiles.
-        scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
+    # The program's scratch [2 M + 1, BLOCK_K]: the current head's key_in and update rows (and
+    # KDA's decay), read back per V tile instead of held in registers across the tiles.
+    scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
     # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
     for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
         # checkpoint in fp32 from the checkpoint itself (not the read copy), four tokens a step; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
-        # moves the cursor to 0. SPLIT: the coefficients are _commit_operands_kernel's, in the scratch.
+        # moves the cursor to 0.
         slot, h, count, ring_head, ring_k, ring_g = _fold_item(
             item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads, num_v_heads,
             K, heads_per_group, capacity, CHANNEL, HAS_SLOTS)
-        if not SPLIT:
-            decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K,
-                                        L2NORM, CHANNEL, M, BLOCK_K, PRECISION)
-            tl.debug_barrier()
-            if CHANNEL:
-                decay = tl.load(scratch + 2 * M * BLOCK_K + cols)
+        decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K,
+                                    L2NORM, CHANNEL, M, BLOCK_K, PRECISION)
+        tl.debug_barrier()
+        if CHANNEL:
+            decay = tl.load(scratch + 2 * M * BLOCK_K + cols)
         head = ring_head * V * K
         ring_v = ring_v_ptr + ring_head * capacity * V
         for v_tile in range(NUM_V_TILES):
@@ -363,52 +361,12 @@ def _commit_fold_kernel(
             row_mask = rows < V
             S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
                                BLOCK_K)
-            if SPLIT:
-                S = fold_rows_by_token(S, scratch_ptr + item * ((M + 2) * M), ring_k, ring_v, ring_g, V, K, rows,
-                                       row_mask, cols, count, M, CHANNEL)
-            else:
-                S = fold_rows_streamed(S, decay, scratch, ring_v, V, rows, row_mask, cols, count, M, BLOCK_K, CHANNEL)
+            S = fold_rows_streamed(S, decay, scratch, ring_v, V, rows, row_mask, cols, count, M, BLOCK_K, CHANNEL)
             _store_folded(S, slot, slot_flags_ptr, ck_ptr + head, read_ptr + head, read_scale_ptr + ring_head * V, rows,
                           row_mask, cols, K, CK_DTYPE, CK_QMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, HW,
                           BLOCK_V, BLOCK_K)
-        if not SPLIT:
-            # The next item's operands overwrite the scratch only once every tile has read it.
-            tl.debug_barrier()
-
-
-@triton.jit
-def _commit_operands_kernel(
-    accepted_ptr, slot_ptr, fold_list_ptr, ring_k_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, operands_ptr, batch,
-    num_k_heads, num_v_heads, K, heads_per_group, capacity, M: tl.constexpr, HEADS: tl.constexpr,
-    CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Program ``(i, p)``: for the ``i``-th listed row, the fold coefficients of value heads ``p ·
-    HEADS …`` (one key group; :func:`.commit_fold.fold_coefficients`) into ``operands[i, h]``
-    (``[M + 2, M]`` fp32); the keys, their norms and (GDN) their Gram product once for them."""
-    listed = tl.program_id(0)
-    first_head = tl.program_id(1) * HEADS
-    hk = first_head // heads_per_group
-    if listed < tl.load(fold_list_ptr + batch):
-        b = tl.load(fold_list_ptr + listed)
-        slot = _slot_of(slot_ptr, b, HAS_SLOTS)
-        count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
-        ring_k = ring_k_ptr + (slot * num_k_heads + hk) * capacity * K
-        r, gram = fold_keys(ring_k, count, K, L2NORM, CHANNEL, M, BLOCK_K, PRECISION)
-        pos = tl.arange(0, M)
-        for member in range(HEADS):
-            h = first_head + member
-            ring_head = slot * num_v_heads + h
-            if CHANNEL:
-                ring_g = ring_g_ptr + ring_head * capacity * K
-            else:
-                ring_g = ring_g_ptr + ring_head * capacity
-            U, a, decay = fold_coefficients(ring_k, r, gram, ring_g, ring_beta_ptr + ring_head * capacity, count, K,
-                                            CHANNEL, M, BLOCK_K)
-            operands = operands_ptr + (listed * num_v_heads + h) * ((M + 2) * M)
-            tl.store(operands + pos[:, None] * M + pos[None, :], U)
-            tl.store(operands + M * M + pos, a)
-            tl.store(operands + (M + 1) * M + pos, tl.where(pos == 0, decay, 0.0))
+        # The next item's operands overwrite the scratch only once every tile has read it.
+        tl.debug_barrier()
 
 
 @triton.jit

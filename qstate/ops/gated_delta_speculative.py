@@ -285,13 +285,11 @@ def gated_delta_replay_commit(cache: GatedDeltaReplayCache, num_accepted: torch.
     others vanish (the next verify overwrites them). A slot whose committed tokens reach
     ``ring_len`` is flushed: its ring is folded into the checkpoint in fp32, from the stored
     checkpoint, the read copy is rebuilt from the stored checkpoint and the cursor becomes 0.
-    Three kernel launches, no host sync: it records into CUDA graphs (with
-    ``qstate.kernels.gated_delta.speculative.FOLD_OPERANDS_KERNEL`` set, four, and a per-call
-    scratch of ``batch · HV · (M + 2) · M`` fp32, ``M = max(16, next_pow2(ring_len +
-    max_draft))``). A row whose slot has no pending verify, or whose ``num_accepted`` is outside
-    ``0 … T``, is an error: on CPU tensors it raises ``ValueError`` here (nothing is changed); on
-    a GPU that row's slot is left untouched and :func:`gated_delta_replay_check_commits` raises. A slot whose cursor lies, or would
-    land, outside its ring is left untouched and gets ``SLOT_BAD_CURSOR`` in
+    Three kernel launches, no host sync: it records into CUDA graphs. A row whose slot has no
+    pending verify, or whose ``num_accepted`` is outside ``0 … T``, is an error: on CPU tensors it
+    raises ``ValueError`` here (nothing is changed); on a GPU that row's slot is left untouched
+    and :func:`gated_delta_replay_check_commits` raises. A slot whose cursor lies, or would land,
+    outside its ring is left untouched and gets ``SLOT_BAD_CURSOR`` in
     ``cache.slot_flags``.
     """
     _check_cache(cache)

@@ -166,17 +166,6 @@ def test_rounds_with_other_sweep_groups(monkeypatch, sweep_group, case):
     test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, *case)
 
 
-@pytest.mark.parametrize("heads,case", [(1, CASES[0]), (2, CASES[1]), (2, CASES[2]), (1, CASES[5])])
-def test_rounds_with_the_split_fold(monkeypatch, heads, case):
-    """The commit's fold in split form: coefficients per (listed row, ``heads`` value heads of a
-    key group), then the rows from the raw ring keys (GDN and KDA, with and without read copies,
-    the GPU's row tiles)."""
-    from qstate.kernels.gated_delta import speculative
-    monkeypatch.setattr(speculative, "FOLD_OPERANDS_KERNEL", True)
-    monkeypatch.setattr(speculative, "OPERANDS_HEADS", heads)
-    test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, *case)
-
-
 @pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
 def test_against_decode_speculative(channel):
     """All drafts' outputs (accepted or not), the stored checkpoint and the final state equal the
@@ -214,15 +203,13 @@ def test_any_acceptance_sequence_equals_sequential_decode(accepted):
     shadow.check_sequential(state0)
 
 
-@pytest.mark.parametrize("verify,split_fold", [("fused", False), ("split", False), ("fused", True)])
-def test_a_nan_in_a_rejected_draft_reaches_no_accepted_output_and_no_other_slot(monkeypatch, verify, split_fold):
+@pytest.mark.parametrize("verify", ["fused", "split"])
+def test_a_nan_in_a_rejected_draft_reaches_no_accepted_output_and_no_other_slot(monkeypatch, verify):
     """Draft 1 of slot 0 holds NaN in one input at a time and is rejected: draft 0's output, the
     next round (after both slots' flushes) and slot 1 are bit for bit those of a run where that
     draft was finite; the flags mark slot 0 only (the NaN reached draft 1's own output).
     The host's value checks are off, as on a GPU (they would refuse a NaN gate or β)."""
-    from qstate.kernels.gated_delta import speculative
     monkeypatch.setattr(spec._gated_delta_checks, "check_values", lambda g, beta: None)
-    monkeypatch.setattr(speculative, "FOLD_OPERANDS_KERNEL", split_fold)
     use_verify(monkeypatch, verify)
 
     def run(poison):
