@@ -28,10 +28,7 @@ def _conventional_kernel(
     cols = tl.arange(0, BLOCK_K)
     row_mask = rows < V
     out_row = out_ptr + b * s_out_batch + h * s_out_head
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot < 0) | (slot == pad_slot_id) | (slot >= nslots):
         # Padding outputs zeros; an index past the state (unchecked on a GPU, to avoid a sync)
         # outputs NaN. Neither touches any slot.

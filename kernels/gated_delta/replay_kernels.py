@@ -59,10 +59,7 @@ def _replay_step_kernel(
     lanes = tl.arange(0, BLOCK_V)
     cols = tl.arange(0, BLOCK_K)
     out_row = out_ptr + b * s_out_batch + h * s_out_head
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     in_cache = (slot >= 0) & (slot < num_slots)
     n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
     bad_cursor = in_cache & cursor_outside(n, L)
@@ -240,10 +237,7 @@ def _replay_flush_kernel(
                           tl.num_programs(0)):
             b = tl.load(flush_list_ptr + item // (num_v_heads * v_tiles))
             h = item // v_tiles % num_v_heads
-            if HAS_SLOTS:
-                slot = tl.load(slot_ptr + b).to(tl.int64)
-            else:
-                slot = b.to(tl.int64)
+            slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
             _flush_tile(b, slot, item % v_tiles, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr,
                         read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
                         num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
@@ -252,10 +246,7 @@ def _replay_flush_kernel(
                         OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
     else:
         b = tl.program_id(2)
-        if HAS_SLOTS:
-            slot = tl.load(slot_ptr + b).to(tl.int64)
-        else:
-            slot = b.to(tl.int64)
+        slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
         in_cache = (slot >= 0) & (slot < num_slots)
         n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
         if in_cache & (n == L - 1):
@@ -275,11 +266,7 @@ def _flush_list_kernel(cursor_ptr, slot_ptr, flush_list_ptr, batch, num_slots, L
     count = 0
     for start in range(0, batch, BLOCK_R):
         batch_rows = start + tl.arange(0, BLOCK_R)
-        in_batch = batch_rows < batch
-        if HAS_SLOTS:
-            slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
-        else:
-            slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+        slots = tile.slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS)
         live = (slots >= 0) & (slots < num_slots)
         flushes = (live & (tl.load(cursor_ptr + slots, mask=live, other=0) == L - 1)).to(tl.int32)
         tl.store(flush_list_ptr + count + tl.cumsum(flushes, axis=0) - 1, batch_rows, mask=flushes != 0)
@@ -301,10 +288,7 @@ def _replay_stream_kernel(
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     in_cache = (slot >= 0) & (slot < num_slots)
     n = tl.load(cursor_ptr + slot, mask=in_cache, other=L - 1)
     if in_cache & (n >= 0) & (n < L - 1):
@@ -337,11 +321,7 @@ def _advance_cursors_kernel(cursor_ptr, slot_ptr, batch, num_slots, L: tl.conste
     """Every live row's cursor inside its ring moves on by one token (to 0 after a flush; one
     outside stays, its slot flagged by the step kernel), after the step kernel has read them all."""
     batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_batch = batch_rows < batch
-    if HAS_SLOTS:
-        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
-    else:
-        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+    slots = tile.slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS)
     live = (slots >= 0) & (slots < num_slots)
     n = tl.load(cursor_ptr + slots, mask=live, other=0)
     tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live & ~cursor_outside(n, L))

@@ -17,15 +17,6 @@ ERROR_ACCEPTED_RANGE = tl.constexpr(2)
 
 
 @triton.jit
-def _slot_of(slot_ptr, b, HAS_SLOTS: tl.constexpr):
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
-    return slot
-
-
-@triton.jit
 def _store_unserved(out_row, offsets, mask, slot, OUT_BF16: tl.constexpr, HW: tl.constexpr):
     """Outputs of a row the kernel does not serve: zeros for padding (slot < 0), NaN for an index
     past the cache (unchecked on a GPU, to avoid a sync) or a cursor outside the ring."""
@@ -81,7 +72,7 @@ def _verify_kernel(
     ts = tl.arange(0, BLOCK_T)
     is_t = ts < T
     out_row = out_ptr + b * s_out_b + h * s_out_h
-    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     live = (slot >= 0) & (slot < num_slots)
     n = tl.load(cursor_ptr + slot, mask=live, other=0)
     # Between rounds a cursor lies in [0, L): a commit flushes at L committed tokens.
@@ -224,7 +215,7 @@ def _verify_stream_kernel(
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     live = (slot >= 0) & (slot < num_slots)
     n = tl.load(cursor_ptr + slot, mask=live, other=L)
     if live & ~cursor_outside(n, L):
@@ -266,11 +257,7 @@ def _verify_stream_kernel(
 def _commit_rows(accepted_ptr, slot_ptr, cursor_ptr, batch_rows, batch, num_slots, HAS_SLOTS: tl.constexpr):
     """A block of batch rows' ``(slots, live, accepted, cursor)``, as both commit kernels read
     them (rows past the batch and padding not live)."""
-    in_batch = batch_rows < batch
-    if HAS_SLOTS:
-        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
-    else:
-        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+    slots = tile.slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS)
     live = (slots >= 0) & (slots < num_slots)
     accepted = tl.load(accepted_ptr + batch_rows, mask=live, other=0).to(tl.int32)
     return slots, live, accepted, tl.load(cursor_ptr + slots, mask=live, other=0)
@@ -301,7 +288,7 @@ def _fold_item(item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_p
     ``count`` the committed tokens it folds, the ring pointers at the head's first entries."""
     b = tl.load(fold_list_ptr + item // num_v_heads)
     h = item % num_v_heads
-    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
     ring_head = slot * num_v_heads + h
     ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
@@ -407,7 +394,7 @@ def _drafts_kernel(
     cols = tl.arange(0, BLOCK_K)
     row_mask = rows < V
     out_row = out_ptr + b * s_out_b + h * s_out_h
-    slot = _slot_of(slot_ptr, b, HAS_SLOTS)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     if (slot < 0) | (slot >= num_slots):
         for t in tl.static_range(T):
             _store_unserved(out_row + t * s_out_t, rows, row_mask, slot, OUT_BF16, HW)

@@ -33,6 +33,27 @@ def fold_tile(block_k: int, V: int, rows: int, warps: int, precision: str, on_gp
 
 
 @triton.jit
+def slot_of(slot_ptr, b, HAS_SLOTS: tl.constexpr):
+    """Batch row ``b``'s slot (int64): ``slot_indices[b]``, or ``b`` itself without them."""
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    return slot
+
+
+@triton.jit
+def slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS: tl.constexpr):
+    """A block of batch rows' slots (int64), as :func:`slot_of`; -1 (padding) past the batch."""
+    in_batch = batch_rows < batch
+    if HAS_SLOTS:
+        slots = tl.load(slot_ptr + batch_rows, mask=in_batch, other=-1).to(tl.int64)
+    else:
+        slots = tl.where(in_batch, batch_rows, -1).to(tl.int64)
+    return slots
+
+
+@triton.jit
 def l2_normalized(x, L2NORM: tl.constexpr):
     """``x / sqrt(Σx² + eps)`` in fp32 with a correctly rounded root and quotient, as the
     reference computes it (``x`` fp32, padded with zeros)."""
