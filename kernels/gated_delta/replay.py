@@ -32,9 +32,9 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
 step can be captured in a CUDA graph. Listed flush (``FLUSH_LISTED``): a one-program list
 kernel writes the flushing rows (cursor ``L − 1``, slot in the cache) and their count into an
-int32 ``(batch + 1,)``, and ``FLUSH_PROGRAMS_PER_SM`` persistent flush programs per
-multiprocessor take its (row, value head, V tile) items in turn, the same tile work. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
-the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
+int32 ``(batch + 1,)``, and one persistent flush program per multiprocessor takes its (row,
+value head, V tile) items in turn, the same tile work. Cursor kernel, grid ``(cdiv(batch,
+BLOCK_R),)``: after the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
 A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
 Split variant (``split=True``, the default ``SPLIT``): the step kernel's normal rows only
@@ -82,10 +82,9 @@ INTERPRETER_SPLIT = None
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Flush over a list of the flushing rows, FLUSH_PROGRAMS_PER_SM persistent programs per
-# multiprocessor, instead of a program per (row, head) that mostly returns at once; not yet timed.
+# Flush over a list of the flushing rows, one persistent program per multiprocessor (its registers
+# fit one), instead of a program per (row, head) that mostly returns at once; not yet timed.
 FLUSH_LISTED = False
-FLUSH_PROGRAMS_PER_SM = 1
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -131,7 +130,7 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
                  BLOCK_K=block_k, PRECISION=precision, LISTED=listed, num_warps=flush_warps)
     flush_grid = (sizes.cdiv(V, flush_v), num_v_heads, batch)
     if listed:
-        flush_grid = (max(1, min(batch * num_v_heads * flush_grid[0], FLUSH_PROGRAMS_PER_SM * gpu.sm_count(device))),)
+        flush_grid = (max(1, min(batch * num_v_heads * flush_grid[0], gpu.sm_count(device))),)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     stream_grid = stream = None
     if split:

@@ -1,7 +1,8 @@
 """Replay decode kernels of the gated delta rule: the step kernel (normal rows' outputs and ring
 appends; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the flush
-kernel (rows whose ring fills) and its list kernel, the stream kernel of the split variant (normal rows' outputs from
-that scratch) and the cursor kernel. Launched by :mod:`.replay`, whose docstring says what each does."""
+kernel (rows whose ring fills) and its list kernel, the stream kernel of the split variant
+(normal rows' outputs from that scratch) and the cursor kernel. Launched by :mod:`.replay`,
+whose docstring says what each does."""
 
 import triton
 import triton.language as tl

@@ -10,8 +10,8 @@ from . import tile
 # Tokens per step of fold_rows_streamed, their loads in flight together (M, a power of two ≥ 16,
 # is a multiple).
 FOLD_TOKENS_PER_STEP: tl.constexpr = tl.constexpr(4)
-# Key columns per pass of stage_fold_operands: [M, 32] pieces keep the operands'
-# registers low (a power of two ≥ 16 for tl.dot, ≤ BLOCK_K).
+# Key columns per pass of stage_fold_operands: [M, 32] pieces keep the operands' registers below
+# those of the state rows they are folded into (a power of two ≥ 16 for tl.dot, ≤ BLOCK_K).
 FOLD_KEY_COLUMNS: tl.constexpr = tl.constexpr(32)
 
 
@@ -124,18 +124,12 @@ def fold_update(key_out, inverse, beta, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def key_piece(ring_x, pos, live, first, K):
-    """Columns ``first …`` (``FOLD_KEY_COLUMNS`` of them) of ring rows ``[·, K]`` (keys, or KDA's
-    log-gates) as ``[M, 32]`` fp32, zero past ``count`` tokens (``live``) and past K."""
-    cols = first + tl.arange(0, FOLD_KEY_COLUMNS)
-    return tl.load(ring_x + pos[:, None] * K + cols[None, :], mask=live[:, None] & (cols < K)[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _staged_keys(ring_k, pos, live, first, norm, K, L2NORM: tl.constexpr):
-    """:func:`key_piece` of the keys divided by their ``norm [M]`` when ``L2NORM``."""
-    keys = key_piece(ring_k, pos, live, first, K)
+    """Columns ``first …`` (``FOLD_KEY_COLUMNS`` of them) of the ring's keys ``[M, 32]`` in fp32,
+    divided by their ``norm [M]`` when ``L2NORM``; zero past ``count`` tokens and past K."""
+    cols = first + tl.arange(0, FOLD_KEY_COLUMNS)
+    keys = tl.load(ring_k + pos[:, None] * K + cols[None, :], mask=live[:, None] & (cols < K)[None, :],
+                   other=0.0).to(tl.float32)
     if L2NORM:
         keys = tl.div_rn(keys, norm[:, None] + tl.zeros_like(keys))
     return keys
@@ -144,22 +138,9 @@ def _staged_keys(ring_k, pos, live, first, norm, K, L2NORM: tl.constexpr):
 @triton.jit
 def _staged_gamma(ring_g, pos, live, first, K):
     """KDA: columns ``first …`` of ``Γ_j = Σ_{i≤j} g_i`` ``[M, 32]`` (zero past ``count`` and K)."""
-    return tl.cumsum(key_piece(ring_g, pos, live, first, K), axis=0)
-
-
-@triton.jit
-def add_channel_products(B, keys, gamma, pos, count):
-    """KDA: ``B + [k̂_j e^{Γ_j − Γ_i} k̂_i]_ji`` over the channels of a piece (normalized ``keys``
-    and ``gamma`` ``[M, 32]``), one token column at a time (a loop, not unrolled: registers); the
-    decays between two tokens differ per channel. Only ``i < j`` is meaningful."""
-    for i in range(0, count):
-        at_i = (pos == i)[:, None]
-        key_i = tl.sum(tl.where(at_i, keys, 0.0), axis=0)  # [32]
-        gamma_i = tl.sum(tl.where(at_i, gamma, 0.0), axis=0)
-        decays = tl.exp(tl.minimum(gamma - gamma_i[None, :], 0.0))  # exponent ≤ 0 where it counts
-        column = tl.sum(keys * decays * key_i[None, :], axis=1)  # [M]
-        B += tl.where((pos == i)[None, :], column[:, None], 0.0)
-    return B
+    cols = first + tl.arange(0, FOLD_KEY_COLUMNS)
+    g = tl.load(ring_g + pos[:, None] * K + cols[None, :], mask=live[:, None] & (cols < K)[None, :], other=0.0)
+    return tl.cumsum(g.to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -185,9 +166,18 @@ def stage_fold_operands(scratch, ring_k, ring_g, ring_beta, count, K, L2NORM: tl
     before = pos[None, :] < pos[:, None]  # [M, M]: i < j
     B = tl.zeros([M, M], tl.float32)
     if CHANNEL:
+        # B's columns one token at a time (a loop, not unrolled: registers): the decays between
+        # two tokens differ per channel.
         for first in range(0, BLOCK_K, FOLD_KEY_COLUMNS):
-            B = add_channel_products(B, _staged_keys(ring_k, pos, live, first, norm, K, L2NORM),
-                                     _staged_gamma(ring_g, pos, live, first, K), pos, count)
+            keys = _staged_keys(ring_k, pos, live, first, norm, K, L2NORM)  # [M, 32]
+            gamma = _staged_gamma(ring_g, pos, live, first, K)
+            for i in range(0, count):
+                at_i = (pos == i)[:, None]
+                key_i = tl.sum(tl.where(at_i, keys, 0.0), axis=0)  # [32]
+                gamma_i = tl.sum(tl.where(at_i, gamma, 0.0), axis=0)
+                decays = tl.exp(tl.minimum(gamma - gamma_i[None, :], 0.0))  # exponent ≤ 0 where it counts
+                column = tl.sum(keys * decays * key_i[None, :], axis=1)  # [M]
+                B += tl.where((pos == i)[None, :], column[:, None], 0.0)
         B = tl.where(before, B, 0.0)
         decay = 1.0
     else:

@@ -208,13 +208,14 @@ def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, cha
     else:
         block_v, warps, precision = (INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else whole), 4, "ieee"
     has_read = rd_fmt is not None
+    v_tiles = sizes.cdiv(V, block_v)
     fold = dict(M=max(16, sizes.next_power_of_2(capacity)), CK_DTYPE=codec.dtype_code(ck_fmt),
                 CK_QMAX=codec.qmax(ck_fmt), HAS_READ=has_read, RD_DTYPE=codec.dtype_code(rd_fmt) if has_read else 0,
                 RD_GRAN=codec.granularity_code(rd_fmt) if has_read else 0,
                 RD_QMAX=codec.qmax(rd_fmt) if has_read else 0.0, RD_EMAX=codec.emax(rd_fmt) if has_read else 0,
                 HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=sizes.cdiv(V, block_v), PRECISION=precision,
-                num_warps=warps, **register_cap(FOLD_MAXNREG, device))
+                BLOCK_V=block_v, BLOCK_K=block_k, NUM_V_TILES=v_tiles, PRECISION=precision, num_warps=warps,
+                **register_cap(FOLD_MAXNREG, device))
     programs = max(1, min(batch * num_v_heads, FOLD_PROGRAMS_PER_SM * gpu.sm_count(device)))
     cursor = dict(HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return (programs,), fold, (sizes.cdiv(batch, BLOCK_R),), cursor
@@ -223,28 +224,27 @@ def _commit_plan(K, V, num_v_heads, batch, capacity, device, ck_fmt, rd_fmt, cha
 def launch_commit(num_accepted, slot_indices, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
                   cursor, drafts, commit_errors, slot_flags, *, checkpoint_format, read_format, max_draft: int,
                   use_qk_l2norm: bool) -> None:
-    """Launch one commit (fold list, fold, then cursors) on validated arguments: ``num_accepted
-    (batch,)`` int32/int64, ``slot_indices (batch,)`` or None, the cache's tensors contiguous."""
+    """Launch one commit (fold list, fold, then cursors) on validated arguments: ``num_accepted (batch,)``
+    int32/int64, ``slot_indices (batch,)`` or None, the cache's tensors contiguous."""
     batch = num_accepted.shape[0]
     num_slots, num_v_heads, V, K = checkpoint.shape
-    num_k_heads, capacity = ring_k.shape[1], ring_k.shape[2]
+    capacity = ring_k.shape[2]
     grid, fold, cursor_grid, cursor_constexprs = _commit_plan(
         K, V, num_v_heads, batch, capacity, checkpoint.device, checkpoint_format, read_format, ring_g.dim() == 4,
         use_qk_l2norm, slot_indices is not None)
     ck = codec.storage_view(checkpoint, checkpoint_format)
-    rd = codec.storage_view(read, read_format) if read is not None else ck
-    rd_scale = read_scale if read_scale is not None else ck
     on_gpu = checkpoint.is_cuda
     # Per call, as the verify's scratch: the rows that fold, then their count.
     fold_list = torch.empty(batch + 1, dtype=torch.int32, device=checkpoint.device)
     _list((1,), (num_accepted, slot_indices, cursor, drafts, fold_list, batch, num_slots, capacity - max_draft,
                  capacity), cursor_constexprs, on_gpu)
     # Per call as well: each fold program's operands, [programs, 2 M + 1, BLOCK_K] fp32.
-    scratch = torch.empty(grid[0] * (2 * fold["M"] + 1) * fold["BLOCK_K"], dtype=torch.float32,
-                          device=checkpoint.device)
-    _fold(grid, (num_accepted, slot_indices, fold_list, ck, rd, rd_scale, ring_k, ring_v, ring_g, ring_beta, cursor,
-                 slot_flags, scratch, batch, num_k_heads, num_v_heads, K, V, num_v_heads // num_k_heads,
-                 capacity), fold, on_gpu)
+    scratch = torch.empty(grid[0] * (2 * fold["M"] + 1) * fold["BLOCK_K"], dtype=torch.float32, device=checkpoint.device)
+    _fold(grid, (num_accepted, slot_indices, fold_list, ck,
+                 codec.storage_view(read, read_format) if read is not None else ck,
+                 read_scale if read_scale is not None else ck, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
+                 scratch, batch, ring_k.shape[1], num_v_heads, K, V, num_v_heads // ring_k.shape[1], capacity), fold,
+          on_gpu)
     _cursor(cursor_grid, (num_accepted, slot_indices, cursor, drafts, commit_errors, slot_flags, batch, num_slots,
                           capacity - max_draft, capacity), cursor_constexprs, on_gpu)
 

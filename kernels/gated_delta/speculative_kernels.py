@@ -1,8 +1,7 @@
 """Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``, and
-``_verify_stream_kernel`` in the split variant), the commit's (``_commit_list_kernel``,
+``_verify_stream_kernel`` in the split variant), the commit's three (``_commit_list_kernel``,
 ``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state baseline's
-(``_drafts_kernel``). Launched by
-:mod:`.speculative`, whose docstring says what each does."""
+(``_drafts_kernel``). Launched by :mod:`.speculative`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
@@ -282,39 +281,6 @@ def _commit_list_kernel(accepted_ptr, slot_ptr, cursor_ptr, drafts_ptr, fold_lis
 
 
 @triton.jit
-def _fold_item(item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads,
-               num_v_heads, K, heads_per_group, capacity, CHANNEL: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """Item ``(listed row, value head)`` of a fold: ``(slot, h, count, ring_head, ring_k, ring_g)``,
-    ``count`` the committed tokens it folds, the ring pointers at the head's first entries."""
-    b = tl.load(fold_list_ptr + item // num_v_heads)
-    h = item % num_v_heads
-    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
-    count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
-    ring_head = slot * num_v_heads + h
-    ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
-    if CHANNEL:
-        ring_g = ring_g_ptr + ring_head * capacity * K
-    else:
-        ring_g = ring_g_ptr + ring_head * capacity
-    return slot, h, count, ring_head, ring_k, ring_g
-
-
-@triton.jit
-def _store_folded(S, slot, slot_flags_ptr, ck_head, read_head, read_scale_head, rows, row_mask, cols, K,
-                  CK_DTYPE: tl.constexpr, CK_QMAX: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr,
-                  RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr, HW: tl.constexpr,
-                  BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Folded checkpoint rows stored, the read copy rebuilt from the stored values, and the slot
-    flagged where a row is non-finite (its sum is; the fold computes no outputs)."""
-    flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
-    stored = tile.store_tile(S, row_mask, ck_head, ck_head, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0, False, CK_QMAX,
-                             0, HW, BLOCK_V, BLOCK_K)
-    if HAS_READ:
-        tile.store_tile(stored, row_mask, read_head, read_scale_head, rows, cols, K, 1, rows, 0, K, RD_DTYPE, RD_GRAN,
-                        False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
-
-
-@triton.jit
 def _commit_fold_kernel(
     accepted_ptr, slot_ptr, fold_list_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
     ring_beta_ptr, cursor_ptr, slot_flags_ptr, scratch_ptr, batch, num_k_heads, num_v_heads, K, V, heads_per_group,
@@ -329,29 +295,40 @@ def _commit_fold_kernel(
     scratch = scratch_ptr + tl.program_id(0) * ((2 * M + 1) * BLOCK_K)
     # Items (listed row, value head) in turn: only the rows whose ring fills cost a program.
     for item in range(tl.program_id(0), tl.load(fold_list_ptr + batch) * num_v_heads, tl.num_programs(0)):
+        b = tl.load(fold_list_ptr + item // num_v_heads)
+        h = item % num_v_heads
+        slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
         # The ring's committed tokens (M ≥ capacity positions, masked past them) folded into the
         # checkpoint in fp32 from the checkpoint itself (not the read copy), four tokens a step; then
         # the read copy is rebuilt from the stored checkpoint. The cursor kernel, launched next,
         # moves the cursor to 0.
-        slot, h, count, ring_head, ring_k, ring_g = _fold_item(
-            item, accepted_ptr, slot_ptr, fold_list_ptr, cursor_ptr, ring_k_ptr, ring_g_ptr, num_k_heads, num_v_heads,
-            K, heads_per_group, capacity, CHANNEL, HAS_SLOTS)
-        decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K,
-                                    L2NORM, CHANNEL, M, BLOCK_K, PRECISION)
+        count = tl.load(cursor_ptr + slot) + tl.load(accepted_ptr + b).to(tl.int32)
+        ring_head = slot * num_v_heads + h
+        ring_k = ring_k_ptr + (slot * num_k_heads + h // heads_per_group) * capacity * K
+        if CHANNEL:
+            ring_g = ring_g_ptr + ring_head * capacity * K
+        else:
+            ring_g = ring_g_ptr + ring_head * capacity
+        decay = stage_fold_operands(scratch, ring_k, ring_g, ring_beta_ptr + ring_head * capacity, count, K, L2NORM,
+                                    CHANNEL, M, BLOCK_K, PRECISION)
         tl.debug_barrier()
         if CHANNEL:
             decay = tl.load(scratch + 2 * M * BLOCK_K + cols)
         head = ring_head * V * K
-        ring_v = ring_v_ptr + ring_head * capacity * V
         for v_tile in range(NUM_V_TILES):
             rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
             row_mask = rows < V
             S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V,
                                BLOCK_K)
-            S = fold_rows_streamed(S, decay, scratch, ring_v, V, rows, row_mask, cols, count, M, BLOCK_K, CHANNEL)
-            _store_folded(S, slot, slot_flags_ptr, ck_ptr + head, read_ptr + head, read_scale_ptr + ring_head * V, rows,
-                          row_mask, cols, K, CK_DTYPE, CK_QMAX, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, HW,
-                          BLOCK_V, BLOCK_K)
+            S = fold_rows_streamed(S, decay, scratch, ring_v_ptr + ring_head * capacity * V, V, rows, row_mask, cols,
+                                   count, M, BLOCK_K, CHANNEL)
+            # A row's sum is non-finite where one of its elements is (the fold computes no outputs).
+            flag_nonfinite(slot_flags_ptr, slot, tl.sum(S, axis=1), row_mask)
+            stored = tile.store_tile(S, row_mask, ck_ptr + head, ck_ptr, rows, cols, K, 0, rows, 0, K, CK_DTYPE, 0,
+                                     False, CK_QMAX, 0, HW, BLOCK_V, BLOCK_K)
+            if HAS_READ:
+                tile.store_tile(stored, row_mask, read_ptr + head, read_scale_ptr + ring_head * V, rows, cols, K, 1,
+                                rows, 0, K, RD_DTYPE, RD_GRAN, False, RD_QMAX, RD_EMAX, HW, BLOCK_V, BLOCK_K)
         # The next item's operands overwrite the scratch only once every tile has read it.
         tl.debug_barrier()
 
