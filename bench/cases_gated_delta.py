@@ -217,15 +217,7 @@ def check_kernel(device):
     f1, r1 = check_conventional(device)
     f2, r2 = check_replay(device)
     f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0)
-    f4, r4 = check_replay_variant(device, "split", SPLIT=True)
-    f5, r5 = check_replay_variant(device, "split chunked", SPLIT=True, MIN_PROGRAMS=0)
-    f6, r6 = check_replay_variant(device, "listed flush", FLUSH_LISTED=True)
-    graph = check_graph(device)
-    with _replay_constants(SPLIT=True):
-        graph += [f"{f} [split]" for f in check_graph(device)]
-    with _replay_constants(FLUSH_LISTED=True):
-        graph += [f"{f} [listed flush]" for f in check_graph(device)]
-    return f1 + f2 + f3 + f4 + f5 + f6 + graph, r1 + r2 + r3 + r4 + r5 + r6
+    return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
 
 
 @contextlib.contextmanager
@@ -248,8 +240,7 @@ def _replay_constants(**constants):
 def check_replay_variant(device, tag, **constants):
     """:func:`check_replay` with the replay launcher's constants set: ``MIN_PROGRAMS=0`` gives the
     large-batch program shape (``V_LOOP`` chunks per program, the sweep's result reused across
-    them), which its small grids would otherwise never reach; ``SPLIT=True`` the split variant;
-    ``FLUSH_LISTED=True`` the flush over its list of rows."""
+    them), which its small grids would otherwise never reach."""
     with _replay_constants(**constants):
         failures, report = check_replay(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
@@ -375,15 +366,10 @@ CONVENTIONAL_SWEEP = {
 }
 REPLAY_SWEEP = {
     "default": {},
-    "fused": {"SPLIT": False},
-    "fused-prefetch": {"SPLIT": False, "PREFETCH": True},
-    "s16x2w": {"STREAM_ROWS": 16, "STREAM_WARPS": 2},
-    "s64x4w": {"STREAM_ROWS": 64},
-    "s32x8w": {"STREAM_WARPS": 8},
+    "prefetch": {"PREFETCH": True},
     "flush-ieee": {"FOLD_PRECISION": "ieee"},
     "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
     "flush-128x4w": {"FLUSH_WARPS": 4},
-    "flush-listed": {"FLUSH_LISTED": True},
 }
 
 
@@ -421,7 +407,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 40 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 28 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():
@@ -431,7 +417,7 @@ def sweep_cases(device):
     for ck, rd in REPLAY_FORMATS:
         for tag, constants in REPLAY_SWEEP.items():
             out.append(_retagged(replay_case(256, MAIN, ck, rd, device, staggered=True), tag, _REPLAY, constants))
-    for tag in ("default", "fused", "s16x2w", "flush-listed"):
+    for tag in ("default", "prefetch"):
         out.append(_retagged(replay_case(16, MAIN, "fp32", "fp8_e4m3:row", device), tag, _REPLAY, REPLAY_SWEEP[tag]))
     return out
 

@@ -6,16 +6,17 @@ an optional read copy ``R_c = Q_read(S_c)`` (bf16 or 8-bit with row scales over 
 the last ``ring_len`` tokens' inputs (raw ``k`` per key head, ``v``, ``g`` and ``β`` per value
 head: never the corrected value) and a cursor (tokens in the ring).
 
-Step kernel, grid ``(cdiv(V, BLOCK_V), HV, batch)``; each program owns ``BLOCK_V`` rows of V of
-one head of one row, K whole. It reads the slot's cursor ``n``: one outside ``[0, L)`` (memory a
+Step kernel, grid ``(cdiv(V, BLOCK_V · V_LOOP), HV, batch)``; each program owns ``V_LOOP``
+chunks of ``BLOCK_V`` rows of V of one head of one row, K whole. It reads the slot's cursor ``n``: one outside ``[0, L)`` (memory a
 caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's flags, the row outputs NaN and nothing of
 the slot is written (``kernels/README.md#cursor-safety``). Else it appends the token at ``n`` (v
 by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
 * ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
-  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The state is read once, in
-  the read copy's format, and nothing but the ring entry is written.
+  finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The sweep runs once per
+  program, then each chunk streams its rows. The state is read once, in the read copy's format,
+  and nothing but the ring entry is written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
   its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
   returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
@@ -30,20 +31,11 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
   checkpoint's format and rebuilds the read copy from the stored checkpoint.
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
-step can be captured in a CUDA graph. Listed flush (``FLUSH_LISTED``): a one-program list
-kernel writes the flushing rows (cursor ``L − 1``, slot in the cache) and their count into an
-int32 ``(batch + 1,)``, and one persistent flush program per multiprocessor takes its (row,
-value head, V tile) items in turn, the same tile work. Cursor kernel, grid ``(cdiv(batch,
-BLOCK_R),)``: after the step kernel, each live row's cursor inside its ring moves to ``n + 1``, or 0 after a flush.
-A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
+step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
+the step and flush kernels, each live row's cursor inside its ring moves to ``n + 1``, or 0
+after a flush. A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
-Split variant (``split=True``, the default ``SPLIT``): the step kernel's normal rows only
-sweep, and store ``T`` (``BLOCK_K`` floats) and the coefficients ``c`` (``RING_PAD``, by ring
-position, the current token's at ``n``) per (row, value head) in a scratch buffer; padding, bad cursors and flushes
-stay its own. A stream kernel, grid ``(cdiv(V, BLOCK_V'), HV, batch)``, then computes a normal
-row's ``o = Σ_j c_j v_j + R_c T`` over ``BLOCK_V'`` rows and appends v: the state stream no
-longer waits behind the serial sweep nor shares its registers. Deterministic (each value is
-computed by one program in a fixed order); the scratch is allocated per call. A row whose slot
+Deterministic (each value is computed by one program in a fixed order). A row whose slot
 is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
 for CPU tensors) outputs NaN and touches nothing. The keys are stored raw and normalized where
 they are read, so the ring keeps exactly what the caller gave (in the cache's input dtype).
@@ -55,36 +47,26 @@ import functools
 
 import torch
 
-from ..common import codec, gpu, sizes
+from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
 from . import tile
-from .replay_kernels import (_advance_cursors_kernel, _flush_list_kernel, _replay_flush_kernel, _replay_step_kernel,
-                             _replay_stream_kernel)
+from .replay_kernels import _advance_cursors_kernel, _replay_flush_kernel, _replay_step_kernel
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
 # and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
 TILE_ROWS = 16
 WARPS = 1
 V_LOOP = 8
-# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep
-# (only without SPLIT).
+# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
 PREFETCH = False
-# The split variant (launch(split=...) when None): the step kernel only sweeps (T, c → scratch) and
-# flushes; a stream kernel of STREAM_ROWS rows (at K = 128) × STREAM_WARPS warps then reads the state.
-SPLIT = True
-STREAM_ROWS = 32
-STREAM_WARPS = 4
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
-# per program). Tests set it to run the GPU's split, chunked programs.
+# per program). Tests set it to run the GPU's V tiles and chunks.
 INTERPRETER_SPLIT = None
 # Flush programs: rows of V at K = 128 and warps (a whole head computes the fold's operands once);
 # its products on tensor cores in three TF32 parts ("ieee": fp32 FMAs).
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Flush over a list of the flushing rows, one persistent program per multiprocessor (its registers
-# fit one), instead of a program per (row, head) that mostly returns at once; not yet timed.
-FLUSH_LISTED = False
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -93,17 +75,14 @@ BLOCK_R = 256
 
 _step = CompiledLaunch(_replay_step_kernel)
 _advance = CompiledLaunch(_advance_cursors_kernel)
-_stream = CompiledLaunch(_replay_stream_kernel)
 _flush = CompiledLaunch(_replay_flush_kernel)
-_flush_list = CompiledLaunch(_flush_list_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read, rd_code, rd_gran, rd_qmax, rd_emax,
-          channel, l2norm, has_slots, out_bf16, split, listed):
+          channel, l2norm, has_slots, out_bf16):
     """``(step grid, step constexprs, flush grid, flush constexprs, cursor grid, cursor
-    constexprs, stream grid, stream constexprs)`` of a call's metadata (the last two None
-    without ``split``; the cursor constexprs also the flush list's)."""
+    constexprs)`` of a call's metadata."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     v_loop, warps = 1, 4
@@ -119,77 +98,44 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     hw = codec.hardware_casts(device)
     step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, SPLIT=split,
-                num_warps=warps)
+                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, num_warps=warps)
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
                                                      INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, PRECISION=precision, LISTED=listed, num_warps=flush_warps)
-    flush_grid = (sizes.cdiv(V, flush_v), num_v_heads, batch)
-    if listed:
-        flush_grid = (max(1, min(batch * num_v_heads * flush_grid[0], gpu.sm_count(device))),)
+                 BLOCK_K=block_k, PRECISION=precision, num_warps=flush_warps)
     advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
-    stream_grid = stream = None
-    if split:
-        stream_v, stream_warps = whole, 4
-        if device.type == "cuda":
-            stream_v, stream_warps = min(max(1, STREAM_ROWS * 128 // block_k), whole), STREAM_WARPS
-            while stream_v > _MIN_BLOCK_V and batch * num_v_heads * sizes.cdiv(V, stream_v) < MIN_PROGRAMS:
-                stream_v //= 2
-        elif INTERPRETER_SPLIT is not None:
-            stream_v = INTERPRETER_SPLIT[0]
-        stream_grid = (sizes.cdiv(V, stream_v), num_v_heads, batch)
-        stream = dict(L=ring_len, RING_PAD=step["RING_PAD"], BASE_DTYPE=rd_code if has_read else ck_code,
-                      BASE_GRAN=rd_gran if has_read else 0, HW=step["HW"], HAS_SLOTS=has_slots, OUT_BF16=out_bf16,
-                      BLOCK_V=stream_v, BLOCK_K=block_k, num_warps=stream_warps)
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, flush_grid, flush,
-            (sizes.cdiv(batch, BLOCK_R),), advance, stream_grid, stream)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
+            flush, (sizes.cdiv(batch, BLOCK_R),), advance)
 
 
-def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool,
-           split=None) -> None:
+def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:
     """Launch the step, flush and cursor kernels on validated arguments: ``cache`` a
     ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
     HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
-    int or None. ``split``: the split variant (the stream kernel before the cursor's, and an fp32
-    scratch of ``batch · HV · (BLOCK_K + RING_PAD)`` allocated per call); None: ``SPLIT``. With
-    ``FLUSH_LISTED`` the list kernel runs before the flush, into an int32 ``(batch + 1,)``
-    allocated per call."""
+    int or None."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]
     ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
     has_read = rd_fmt is not None
     out_bf16 = out.dtype == torch.bfloat16
-    split = SPLIT if split is None else bool(split)
-    grid, step, flush_grid, flush, advance_grid, advance, stream_grid, stream = _plan(
+    grid, step, flush_grid, flush, advance_grid, advance = _plan(
         K, V, num_v_heads, batch, cache.device, cache.ring_len, codec.dtype_code(ck_fmt), codec.qmax(ck_fmt),
         has_read, codec.dtype_code(rd_fmt) if has_read else 0, codec.granularity_code(rd_fmt) if has_read else 0,
         codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
-        slot_indices is not None, out_bf16, split, FLUSH_LISTED)
+        slot_indices is not None, out_bf16)
     checkpoint = codec.storage_view(cache.checkpoint, ck_fmt)
     read = codec.storage_view(cache.read, rd_fmt) if has_read else checkpoint
     read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
     out_view = out.view(torch.int16) if out_bf16 else out
     on_gpu = cache.device.type == "cuda"
-    # Per call, so a CUDA graph captures its own (torch's graph pool) and calls never share one.
-    scratch = (torch.empty(batch * num_v_heads * (step["BLOCK_K"] + step["RING_PAD"]), dtype=torch.float32,
-                           device=cache.device) if split else checkpoint)
     args = (q, k, v, g, beta, slot_indices, out_view, checkpoint, read, read_scale,
-            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, scratch,
+            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags,
             float(qk_scale), cache.num_slots,
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
-    flush_list = checkpoint
-    if flush["LISTED"]:
-        flush_list = torch.empty(batch + 1, dtype=torch.int32, device=cache.device)
-        _flush_list((1,), (cache.cursor, slot_indices, flush_list, batch, cache.num_slots), advance, on_gpu)
-    _flush(flush_grid, args[:16] + args[17:] + (flush_list, batch), flush, on_gpu)
-    if split:
-        _stream(stream_grid, (v, slot_indices, out_view, read, read_scale, cache.ring_v, cache.cursor, cache.slot_flags,
-                              scratch, cache.num_slots, num_v_heads, K, V, *v.stride()[:2], *out.stride()[:2]),
-                stream, on_gpu)
+    _flush(flush_grid, args, flush, on_gpu)
     _advance(advance_grid, (cache.cursor, slot_indices, batch, cache.num_slots), advance, on_gpu)

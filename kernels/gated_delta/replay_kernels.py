@@ -1,8 +1,6 @@
 """Replay decode kernels of the gated delta rule: the step kernel (normal rows' outputs and ring
-appends; with ``SPLIT`` only the adjoint sweep of normal rows, into a scratch buffer), the flush
-kernel (rows whose ring fills) and its list kernel, the stream kernel of the split variant
-(normal rows' outputs from that scratch) and the cursor kernel. Launched by :mod:`.replay`,
-whose docstring says what each does."""
+appends), the flush kernel (rows whose ring fills) and the cursor kernel. Launched by
+:mod:`.replay`, whose docstring says what each does."""
 
 import triton
 import triton.language as tl
@@ -46,13 +44,13 @@ def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.const
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    scratch_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -105,55 +103,45 @@ def _replay_step_kernel(
         head = ring_head * V * K
         # A flushing row (n = L − 1) is the flush kernel's.
         if n < L - 1:
-            if SPLIT:
-                # The split variant: T and each token's c go to the scratch (c by ring position, the
-                # current token's at n) for the stream kernel, which also appends v.
-                if v_part == 0:
-                    T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                                  RING_PAD)
-                    scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
-                    tl.store(scratch + cols, T)
-                    tl.store(scratch + BLOCK_K + tl.arange(0, RING_PAD), c)
+            # The adjoint sweep, once per program, gives T and each token's coefficient c; each
+            # chunk of V then meets it with o = c·v summed over the ring plus the read copy's
+            # (or checkpoint's) rows · T.
+            if HAS_READ:
+                base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
+                BASE_DTYPE: tl.constexpr = RD_DTYPE
+                BASE_GRAN: tl.constexpr = RD_GRAN
             else:
-                # The adjoint sweep, once per program, gives T and each token's coefficient c; each
-                # chunk of V then meets it with o = c·v summed over the ring plus the read copy's
-                # (or checkpoint's) rows · T.
-                if HAS_READ:
-                    base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
-                    BASE_DTYPE: tl.constexpr = RD_DTYPE
-                    BASE_GRAN: tl.constexpr = RD_GRAN
-                else:
-                    base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
-                    BASE_DTYPE: tl.constexpr = CK_DTYPE
-                    BASE_GRAN: tl.constexpr = 0
-                # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
-                # runs, and each chunk loads the next one's before its own sums.
-                rows = v_part * V_LOOP * BLOCK_V + lanes
-                codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
-                                             base_scale_ptr, BASE_GRAN, BLOCK_K)
-                T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                              RING_PAD)
-                positions = tl.arange(0, RING_PAD)
-                c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
-                for chunk in range(V_LOOP):
-                    rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
-                    row_mask = rows < V
-                    if not PREFETCH:
-                        codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
-                                                     base_scale_ptr, BASE_GRAN, BLOCK_K)
-                    base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-                    if PREFETCH and chunk + 1 < V_LOOP:
-                        next_rows = rows + BLOCK_V
-                        codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
-                                                     base_scale_ptr, BASE_GRAN, BLOCK_K)
-                    v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
-                    tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-                    ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],
-                                      mask=(positions < n)[:, None] & row_mask[None, :], other=0.0)
-                    o = c_now * v_raw.to(tl.float32) + tl.sum(c[:, None] * ring_vs.to(tl.float32), axis=0)
-                    o = o + tl.sum(base * T[None, :], axis=1)
-                    flag_nonfinite(flags_ptr, slot, o, row_mask)
-                    tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
+                base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
+                BASE_DTYPE: tl.constexpr = CK_DTYPE
+                BASE_GRAN: tl.constexpr = 0
+            # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
+            # runs, and each chunk loads the next one's before its own sums.
+            rows = v_part * V_LOOP * BLOCK_V + lanes
+            codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
+                                         base_scale_ptr, BASE_GRAN, BLOCK_K)
+            T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                          RING_PAD)
+            positions = tl.arange(0, RING_PAD)
+            c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
+            for chunk in range(V_LOOP):
+                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+                row_mask = rows < V
+                if not PREFETCH:
+                    codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
+                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
+                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
+                if PREFETCH and chunk + 1 < V_LOOP:
+                    next_rows = rows + BLOCK_V
+                    codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
+                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
+                v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
+                tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
+                ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],
+                                  mask=(positions < n)[:, None] & row_mask[None, :], other=0.0)
+                o = c_now * v_raw.to(tl.float32) + tl.sum(c[:, None] * ring_vs.to(tl.float32), axis=0)
+                o = o + tl.sum(base * T[None, :], axis=1)
+                flag_nonfinite(flags_ptr, slot, o, row_mask)
+                tile.store_output(out_row, o, rows, row_mask, OUT_BF16, HW)
 
 
 @triton.jit
@@ -219,101 +207,28 @@ def _replay_flush_kernel(
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
     qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
-    s_beta_batch, s_beta_head, s_out_batch, s_out_head, flush_list_ptr, batch,
+    s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, LISTED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
     folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
     (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and the
-    read copy rebuilt from it. Grid ``(V tiles, HV, batch)``: every other row returns after two
-    loads (the step kernel's). ``LISTED``: grid ``(programs,)``, each taking the items (listed row,
-    value head, V tile) of ``flush_list`` (:func:`_flush_list_kernel`'s) in turn."""
-    if LISTED:
-        v_tiles = tl.cdiv(V, BLOCK_V)
-        for item in range(tl.program_id(0), tl.load(flush_list_ptr + batch) * num_v_heads * v_tiles,
-                          tl.num_programs(0)):
-            b = tl.load(flush_list_ptr + item // (num_v_heads * v_tiles))
-            h = item // v_tiles % num_v_heads
-            slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
-            _flush_tile(b, slot, item % v_tiles, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr,
-                        read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
-                        num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
-                        s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
-                        L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM,
-                        OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
-    else:
-        b = tl.program_id(2)
-        slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
-        in_cache = (slot >= 0) & (slot < num_slots)
-        n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
-        if in_cache & (n == L - 1):
-            _flush_tile(b, slot, tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
-                        ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr,
-                        qk_scale, num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch,
-                        s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch,
-                        s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW,
-                        CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
-
-
-@triton.jit
-def _flush_list_kernel(cursor_ptr, slot_ptr, flush_list_ptr, batch, num_slots, L: tl.constexpr,
-                       HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: the batch rows that flush (a slot in the cache, cursor ``L − 1``), in order,
-    into ``flush_list[0 … count)``, and ``count`` into ``flush_list[batch]``."""
-    count = 0
-    for start in range(0, batch, BLOCK_R):
-        batch_rows = start + tl.arange(0, BLOCK_R)
-        slots = tile.slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS)
-        live = (slots >= 0) & (slots < num_slots)
-        flushes = (live & (tl.load(cursor_ptr + slots, mask=live, other=0) == L - 1)).to(tl.int32)
-        tl.store(flush_list_ptr + count + tl.cumsum(flushes, axis=0) - 1, batch_rows, mask=flushes != 0)
-        count += tl.sum(flushes, axis=0)
-    tl.store(flush_list_ptr + batch, count)
-
-
-@triton.jit
-def _replay_stream_kernel(
-    v_ptr, slot_ptr, out_ptr, base_ptr, base_scale_ptr, ring_v_ptr, cursor_ptr, flags_ptr, scratch_ptr,
-    num_slots, num_v_heads, K, V, s_v_batch, s_v_head, s_out_batch, s_out_head,
-    L: tl.constexpr, RING_PAD: tl.constexpr, BASE_DTYPE: tl.constexpr, BASE_GRAN: tl.constexpr,
-    HW: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """The split variant's outputs of normal rows: ``o = Σ_j c_j v_j + R T`` over ``BLOCK_V`` rows
-    of the read copy (or checkpoint: ``base``), T and c from the step kernel's scratch; appends v
-    at the cursor. Padding, a bad cursor and a flushing row are the step kernel's."""
-    v_tile = tl.program_id(0)
-    h = tl.program_id(1)
+    read copy rebuilt from it. Every other row returns after two loads (the step kernel's)."""
     b = tl.program_id(2)
     slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
     in_cache = (slot >= 0) & (slot < num_slots)
-    n = tl.load(cursor_ptr + slot, mask=in_cache, other=L - 1)
-    if in_cache & (n >= 0) & (n < L - 1):
-        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        cols = tl.arange(0, BLOCK_K)
-        row_mask = rows < V
-        ring_head = slot * num_v_heads + h
-        codes, scale = tile.load_raw(base_ptr + ring_head * V * K, base_scale_ptr + ring_head * V, rows, cols,
-                                     row_mask, K, K, 1, BASE_GRAN, BLOCK_K)
-        scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_K + RING_PAD)
-        T = tl.load(scratch + cols)
-        positions = tl.arange(0, RING_PAD)
-        c = tl.load(scratch + BLOCK_K + positions, mask=positions < n, other=0.0)
-        c_now = tl.load(scratch + BLOCK_K + n)
-        ring_v = ring_v_ptr + ring_head * L * V
-        ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],
-                          mask=(positions < n)[:, None] & row_mask[None, :], other=0.0)
-        v_raw = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0)
-        tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-        base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-        o = c_now * v_raw.to(tl.float32) + tl.sum(c[:, None] * ring_vs.to(tl.float32), axis=0)
-        o = o + tl.sum(base * T[None, :], axis=1)
-        flag_nonfinite(flags_ptr, slot, o, row_mask)
-        tile.store_output(out_ptr + b * s_out_batch + h * s_out_head, o, rows, row_mask, OUT_BF16, HW)
+    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
+    if in_cache & (n == L - 1):
+        _flush_tile(b, slot, tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr,
+                    read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
+                    num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
+                    s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+                    L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM,
+                    OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
 
 
 @triton.jit

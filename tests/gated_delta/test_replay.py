@@ -23,21 +23,6 @@ from helpers.gated_delta import bits_of, rel_rms, token, tokens
 NAMES = ("q", "k", "v", "g", "beta")
 
 
-@pytest.fixture
-def split(request, monkeypatch):
-    """The step kernel alone (False), or the split variant (True: the sweep into a scratch, then
-    the stream kernel); tests take it by indirect parametrization."""
-    from qstate.kernels.gated_delta import replay
-    monkeypatch.setattr(replay, "SPLIT", request.param)
-    return request.param
-
-
-def with_split(cases, split_cases):
-    """``cases`` on the step kernel alone, and ``split_cases`` again on the split variant."""
-    return [pytest.param(*c, False, id=f"one-kernel-{i}") for i, c in enumerate(cases)] + \
-        [pytest.param(*c, True, id=f"split-{i}") for i, c in enumerate(split_cases)]
-
-
 def bound(K, steps):
     return steps * K * 2.0**-24 * 8
 
@@ -101,8 +86,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("channel,ring_len,checkpoint,read,split", with_split(CASES, CASES[1:5]), indirect=["split"])
-def test_each_step_against_the_exact_recurrence_from_what_it_reads(channel, ring_len, checkpoint, read, split):
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read", CASES)
+def test_each_step_against_the_exact_recurrence_from_what_it_reads(channel, ring_len, checkpoint, read):
     steps = ring_len + 1 if ring_len > 1 else 3
     slots = [1, 0] if ring_len < 16 else [0]  # the long ring on one row: the interpreter pays per program
     cache = allocate(2, channel=channel, ring_len=ring_len, read=read, checkpoint=checkpoint)
@@ -133,16 +118,13 @@ def test_against_decode_replay_end_to_end(channel):
     assert rel_rms(cache.materialize([0, 1]), final) < bound(K, T)
 
 
-@pytest.mark.parametrize("split,listed", [(False, False), (True, False), (True, True)],
-                         ids=["one-kernel", "split", "split-listed-flush"], indirect=["split"])
-def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, split, listed):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, chunked):
     """Slots advanced to different cursors, then steps over all of them with padding rows; a
-    mid-stream reset starts its slot afresh; untouched slots stay bit for bit. ``listed``: the
-    flush over its list of rows, one program taking every (row, head, V tile) in turn, V in tiles
-    of 4 rows."""
+    mid-stream reset starts its slot afresh; untouched slots stay bit for bit. ``chunked``: the
+    GPU's shape, V in tiles of 4 rows (the flush's too), 2 chunks a step program."""
     from qstate.kernels.gated_delta import replay
-    monkeypatch.setattr(replay, "FLUSH_LISTED", listed)
-    if listed:
+    if chunked:
         monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
     L = 4
     cache = allocate(5, channel=True, ring_len=L, read="fp8_e4m3:row")
@@ -250,12 +232,11 @@ def test_torch_compile_through_the_custom_ops():
             assert torch.equal(getattr(traced, name), getattr(eager, name)), name
 
 
-@pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch,split",
-                         with_split([(*CASES[1], True), (*CASES[2], False)], [(*CASES[2], False)]), indirect=["split"])
-def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch, split):
+@pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch", [(*CASES[1], True), (*CASES[2], False)])
+def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch):
     """The GPU's launch shape under the interpreter: V split over programs, each sweeping the ring
     once and streaming several chunks of V (here 2 programs × 2 chunks of 4 rows of V = 16), with
-    and without loading a chunk ahead; the split variant's stream kernel takes 4 rows per program."""
+    and without loading a chunk ahead."""
     from qstate.kernels.gated_delta import replay
     monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
     monkeypatch.setattr(replay, "PREFETCH", prefetch)
