@@ -214,7 +214,6 @@ def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH):
     import qstate
     from qstate.kernels.gated_delta import replay
     _gpu_plans(replay)
-    replay.gpu.sm_count = lambda device: H100_SMS  # the listed flush's grid, with no GPU to ask
     launches = record(replay, [name for name in vars(replay) if name.startswith("_") and name.endswith("_kernel")])
     HK, HV, K, V = GDN_LAYER
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16,
