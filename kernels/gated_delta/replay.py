@@ -7,8 +7,8 @@ the last ``ring_len`` tokens' inputs (raw ``k`` per key head, ``v``, ``g`` and `
 head: never the corrected value) and a cursor (tokens in the ring).
 
 Step kernel, grid ``(cdiv(V, BLOCK_V · V_LOOP), HV, batch)``; each program owns ``V_LOOP``
-chunks of ``BLOCK_V`` rows of V of one head of one row, K whole. It reads the slot's cursor ``n``: one outside ``[0, L)`` (memory a
-caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's flags, the row outputs NaN and nothing of
+chunks of ``BLOCK_V`` rows of V of one head of one row, K whole. It reads the slot's cursor
+``n``: one outside ``[0, L)`` (memory a caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's flags, the row outputs NaN and nothing of
 the slot is written (``kernels/README.md#cursor-safety``). Else it appends the token at ``n`` (v
 by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
@@ -31,9 +31,11 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
   checkpoint's format and rebuilds the read copy from the stored checkpoint.
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
-step can be captured in a CUDA graph. Cursor kernel, grid ``(cdiv(batch, BLOCK_R),)``: after
-the step and flush kernels, each live row's cursor inside its ring moves to ``n + 1``, or 0
-after a flush. A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
+step can be captured in a CUDA graph. The step kernel's first program of each row writes the
+cursor it read (or ``NO_CURSOR``: padding, past the cache, outside the ring) into a per-call
+``row_cursor``; the flush kernel decides by it, so its first program of each row can move the
+slot's cursor on to ``n + 1`` (0 after a flush) in the same launch: two launches a step. A
+non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
 Deterministic (each value is computed by one program in a fixed order). A row whose slot
 is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
@@ -50,7 +52,7 @@ import torch
 from ..common import codec, sizes
 from ..common.launch import CompiledLaunch
 from . import tile
-from .replay_kernels import _advance_cursors_kernel, _replay_flush_kernel, _replay_step_kernel
+from .replay_kernels import _replay_flush_kernel, _replay_step_kernel
 
 # Rows of V per chunk at K = 128, warps, and chunks per program: a program sweeps the ring once
 # and streams V_LOOP chunks; one warp keeps the sweep's K-sums free of shared-memory rounds.
@@ -70,19 +72,15 @@ FOLD_PRECISION = "tf32x3"
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
-# Batch rows per program of the cursor kernel.
-BLOCK_R = 256
 
 _step = CompiledLaunch(_replay_step_kernel)
-_advance = CompiledLaunch(_advance_cursors_kernel)
 _flush = CompiledLaunch(_replay_flush_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read, rd_code, rd_gran, rd_qmax, rd_emax,
           channel, l2norm, has_slots, out_bf16):
-    """``(step grid, step constexprs, flush grid, flush constexprs, cursor grid, cursor
-    constexprs)`` of a call's metadata."""
+    """``(step grid, step constexprs, flush grid, flush constexprs)`` of a call's metadata."""
     block_k = max(32, sizes.next_power_of_2(K))
     whole = sizes.next_power_of_2(V)
     v_loop, warps = 1, 4
@@ -106,22 +104,22 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
                  BLOCK_K=block_k, PRECISION=precision, num_warps=flush_warps)
-    advance = dict(L=ring_len, HAS_SLOTS=has_slots, BLOCK_R=BLOCK_R, num_warps=4)
     return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
-            flush, (sizes.cdiv(batch, BLOCK_R),), advance)
+            flush)
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:
-    """Launch the step, flush and cursor kernels on validated arguments: ``cache`` a
+    """Launch the step and flush kernels on validated arguments: ``cache`` a
     ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
     HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
-    int or None."""
+    int or None. The step kernel hands each row's cursor to the flush kernel in an int32
+    ``(batch,)`` allocated per call (so a CUDA graph captures its own)."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]
     ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
     has_read = rd_fmt is not None
     out_bf16 = out.dtype == torch.bfloat16
-    grid, step, flush_grid, flush, advance_grid, advance = _plan(
+    grid, step, flush_grid, flush = _plan(
         K, V, num_v_heads, batch, cache.device, cache.ring_len, codec.dtype_code(ck_fmt), codec.qmax(ck_fmt),
         has_read, codec.dtype_code(rd_fmt) if has_read else 0, codec.granularity_code(rd_fmt) if has_read else 0,
         codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
@@ -133,9 +131,8 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
     on_gpu = cache.device.type == "cuda"
     args = (q, k, v, g, beta, slot_indices, out_view, checkpoint, read, read_scale,
             cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags,
-            float(qk_scale), cache.num_slots,
+            torch.empty(batch, dtype=torch.int32, device=cache.device), float(qk_scale), cache.num_slots,
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
     _flush(flush_grid, args, flush, on_gpu)
-    _advance(advance_grid, (cache.cursor, slot_indices, batch, cache.num_slots), advance, on_gpu)

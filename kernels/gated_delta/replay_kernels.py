@@ -1,5 +1,5 @@
 """Replay decode kernels of the gated delta rule: the step kernel (normal rows' outputs and ring
-appends), the flush kernel (rows whose ring fills) and the cursor kernel. Launched by
+appends) and the flush kernel (rows whose ring fills, and every row's cursor). Launched by
 :mod:`.replay`, whose docstring says what each does."""
 
 import triton
@@ -8,6 +8,9 @@ import triton.language as tl
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 from .ring import fold_operands, fold_rows, ring_token
+
+# A row's step-time cursor when the row is padding, past the cache, or its cursor outside the ring.
+NO_CURSOR = tl.constexpr(-1)
 
 
 @triton.jit
@@ -44,7 +47,7 @@ def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.const
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
@@ -65,6 +68,9 @@ def _replay_step_kernel(
     if bad_cursor:
         # A cursor outside the ring (memory a caller wrote): flagged, and nothing of the slot written.
         flag_slot(flags_ptr, slot, SLOT_BAD_CURSOR)
+    if (v_part == 0) & (h == 0):
+        # The cursor as read, for the flush kernel (which moves it on); NO_CURSOR: leave the slot be.
+        tl.store(row_cursor_ptr + b, tl.where(in_cache & ~bad_cursor, n, NO_CURSOR))
     if (~in_cache) | bad_cursor:
         # Padding outputs zeros; an index past the cache (unchecked on a GPU, to avoid a sync) and
         # a bad cursor output NaN. None touches any slot.
@@ -205,7 +211,7 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
 def _replay_flush_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
@@ -217,27 +223,18 @@ def _replay_flush_kernel(
     """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
     folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
     (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and the
-    read copy rebuilt from it. Every other row returns after two loads (the step kernel's)."""
+    read copy rebuilt from it. Every other row returns after two loads. The cursor comes from the
+    step kernel's ``row_cursor``, so the row's first program can move the slot's cursor on to
+    ``n + 1`` (0 after the flush) while the others still decide by it."""
     b = tl.program_id(2)
+    n = tl.load(row_cursor_ptr + b)
     slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
-    in_cache = (slot >= 0) & (slot < num_slots)
-    n = tl.load(cursor_ptr + slot, mask=in_cache, other=0)
-    if in_cache & (n == L - 1):
+    if (n != NO_CURSOR) & (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(cursor_ptr + slot, tl.where(n + 1 == L, 0, n + 1))
+    if n == L - 1:
         _flush_tile(b, slot, tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr,
                     read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
                     num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
                     s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
                     L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM,
                     OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
-
-
-@triton.jit
-def _advance_cursors_kernel(cursor_ptr, slot_ptr, batch, num_slots, L: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
-    """Every live row's cursor inside its ring moves on by one token (to 0 after a flush; one
-    outside stays, its slot flagged by the step kernel), after the step kernel has read them all."""
-    batch_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    slots = tile.slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS)
-    live = (slots >= 0) & (slots < num_slots)
-    n = tl.load(cursor_ptr + slots, mask=live, other=0)
-    tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=live & ~cursor_outside(n, L))
