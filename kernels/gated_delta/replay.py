@@ -34,8 +34,9 @@ The flush decision is each program's own (from the cursor on the device): no hos
 step can be captured in a CUDA graph. The step kernel's first program of each row writes the
 cursor it read (or ``NO_CURSOR``: padding, past the cache, outside the ring) into a per-call
 ``row_cursor``; the flush kernel decides by it, so its first program of each row can move the
-slot's cursor on to ``n + 1`` (0 after a flush) in the same launch: two launches a step. A
-non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
+slot's cursor on to ``n + 1`` (0 after a flush) in the same launch: two launches a step, each
+with programmatic dependent launch on sm_90 (``kernels/common/pdl.py``). A non-finite output
+sets ``SLOT_NONFINITE`` in its slot's flags.
 
 Deterministic (each value is computed by one program in a fixed order). A row whose slot
 is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
@@ -49,7 +50,7 @@ import functools
 
 import torch
 
-from ..common import codec, sizes
+from ..common import codec, pdl, sizes
 from ..common.launch import CompiledLaunch
 from . import tile
 from .replay_kernels import _replay_flush_kernel, _replay_step_kernel
@@ -94,16 +95,19 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     else:
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
     hw = codec.hardware_casts(device)
+    use_pdl = pdl.enabled(device)
     step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, num_warps=warps)
+                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, PDL=use_pdl,
+                num_warps=warps, **pdl.launch_options(use_pdl))
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
                                                      INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, PRECISION=precision, num_warps=flush_warps)
+                 BLOCK_K=block_k, PRECISION=precision, PDL=use_pdl, num_warps=flush_warps,
+                 **pdl.launch_options(use_pdl))
     return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
             flush)
 

@@ -5,6 +5,7 @@ appends) and the flush kernel (rows whose ring fills, and every row's cursor). L
 import triton
 import triton.language as tl
 
+from ..common import pdl
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 from .ring import fold_operands, fold_rows, ring_token
@@ -53,8 +54,9 @@ def _replay_step_kernel(
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.grid_dependency(PDL)
     v_part = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -218,7 +220,7 @@ def _replay_flush_kernel(
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
     folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
@@ -226,6 +228,7 @@ def _replay_flush_kernel(
     read copy rebuilt from it. Every other row returns after two loads. The cursor comes from the
     step kernel's ``row_cursor``, so the row's first program can move the slot's cursor on to
     ``n + 1`` (0 after the flush) while the others still decide by it."""
+    pdl.grid_dependency(PDL)
     b = tl.program_id(2)
     n = tl.load(row_cursor_ptr + b)
     slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
