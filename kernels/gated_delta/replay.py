@@ -34,9 +34,9 @@ The flush decision is each program's own (from the cursor on the device): no hos
 step can be captured in a CUDA graph. The step kernel's first program of each row writes the
 cursor it read (or ``NO_CURSOR``: padding, past the cache, outside the ring) into a per-call
 ``row_cursor``; the flush kernel decides by it, so its first program of each row can move the
-slot's cursor on to ``n + 1`` (0 after a flush) in the same launch: two launches a step, each
-with programmatic dependent launch on sm_90 (``kernels/common/pdl.py``). A non-finite output
-sets ``SLOT_NONFINITE`` in its slot's flags.
+slot's cursor on to ``n + 1`` (0 after a flush) in the same launch: two launches a step, with
+programmatic dependent launch (``kernels/common/pdl.py``) on sm_90 below ``PDL_BELOW_BATCH``
+rows. A non-finite output sets ``SLOT_NONFINITE`` in its slot's flags.
 
 Deterministic (each value is computed by one program in a fixed order). A row whose slot
 is negative outputs zeros and touches nothing; an index ``≥ num_slots`` (rejected on the host
@@ -70,6 +70,9 @@ INTERPRETER_SPLIT = None
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
+# Batches below which both kernels launch with PDL: above, the flush programs it starts early hold
+# registers the step's tail needs (H100 b256 no read +1.6 %; b1 -13 %).
+PDL_BELOW_BATCH = 128
 # Programs below which a launch takes fewer chunks per program, then splits V finer.
 MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -95,7 +98,7 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     else:
         block_v, v_loop = INTERPRETER_SPLIT or (whole, 1)
     hw = codec.hardware_casts(device)
-    use_pdl = pdl.enabled(device)
+    use_pdl = pdl.enabled(device) and batch < PDL_BELOW_BATCH
     step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                 OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, PDL=use_pdl,
