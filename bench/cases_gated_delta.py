@@ -216,7 +216,7 @@ def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
     f2, r2 = check_replay(device)
-    f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0, MIN_FLUSH_PROGRAMS=0)
+    f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0)
     return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
 
 
@@ -240,8 +240,7 @@ def _replay_constants(**constants):
 def check_replay_variant(device, tag, **constants):
     """:func:`check_replay` with the replay launcher's constants set: ``MIN_PROGRAMS=0`` gives the
     large-batch program shape (``V_LOOP`` chunks per program, the sweep's result reused across
-    them) and ``MIN_FLUSH_PROGRAMS=0`` the flush programs over ``FLUSH_BATCH_ROWS`` rows, which its
-    small grids would otherwise never reach."""
+    them), which its small grids would otherwise never reach."""
     with _replay_constants(**constants):
         failures, report = check_replay(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]

@@ -18,8 +18,8 @@ by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first val
   program, then each chunk streams its rows. The state is read once, in the read copy's format,
   and nothing but the ring entry is written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
-  its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, cdiv(batch, BATCH_ROWS))``,
-  each program walking ``BATCH_ROWS`` consecutive rows and folding those that flush: it loads the ring's ``L − 1`` tokens and the current one and folds them
+  its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
+  returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
   into the checkpoint's tile, from the checkpoint itself, in matrix form (the products in
   ``FOLD_PRECISION`` on a GPU). With ``Γ_j`` the summed log-gates up to token j (per key
   channel for KDA), the reads ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
@@ -70,10 +70,6 @@ INTERPRETER_SPLIT = None
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Batch rows per flush program, halved while the flush grid has fewer than MIN_FLUSH_PROGRAMS: a
-# program per row mostly returns at once, yet holds a multiprocessor's registers while it does.
-FLUSH_BATCH_ROWS = 16
-MIN_FLUSH_PROGRAMS = 1024
 # Batches below which both kernels launch with PDL: above, the flush programs it starts early hold
 # registers the step's tail needs (H100 b256 no read +1.6 %; b1 -13 %).
 PDL_BELOW_BATCH = 128
@@ -110,17 +106,13 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
                                                      INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
-    flush_tiles = sizes.cdiv(V, flush_v) * num_v_heads
-    batch_rows = FLUSH_BATCH_ROWS
-    while batch_rows > 1 and sizes.cdiv(batch, batch_rows) * flush_tiles < MIN_FLUSH_PROGRAMS:
-        batch_rows //= 2
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, PRECISION=precision, BATCH_ROWS=batch_rows, PDL=use_pdl, num_warps=flush_warps,
+                 BLOCK_K=block_k, PRECISION=precision, PDL=use_pdl, num_warps=flush_warps,
                  **pdl.launch_options(use_pdl))
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step,
-            (sizes.cdiv(V, flush_v), num_v_heads, sizes.cdiv(batch, batch_rows)), flush)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
+            flush)
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:
@@ -150,4 +142,4 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
             k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
             *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
     _step(grid, args, step, on_gpu)
-    _flush(flush_grid, args + (batch,), flush, on_gpu)
+    _flush(flush_grid, args, flush, on_gpu)
