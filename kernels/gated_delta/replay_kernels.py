@@ -134,14 +134,9 @@ def _replay_step_kernel(
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
                 row_mask = rows < V
-                if not PREFETCH:
-                    codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, row_mask, K, K,
-                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
-                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-                if PREFETCH and chunk + 1 < V_LOOP:
-                    next_rows = rows + BLOCK_V
-                    codes, scale = tile.load_raw(base_codes + head, base_ptr, next_rows, cols, next_rows < V, K, K,
-                                                 base_scale_ptr, BASE_GRAN, BLOCK_K)
+                base, codes, scale = tile.stream_chunk(codes, scale, base_codes + head, base_ptr, rows, cols, row_mask,
+                                                       chunk + 1 < V_LOOP, K, V, base_scale_ptr, BASE_DTYPE, BASE_GRAN,
+                                                       HW, PREFETCH, BLOCK_V, BLOCK_K)
                 v_raw = tl.load(v_row + rows, mask=row_mask, other=0.0)
                 tl.store(ring_v + n * V + rows, v_raw.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
                 ring_vs = tl.load(ring_v + positions[:, None] * V + rows[None, :],

@@ -172,14 +172,9 @@ def _verify_kernel(
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
                 row_mask = rows < V
-                if not PREFETCH:
-                    codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, row_mask, K, K,
-                                                 base_scaled, BASE_GRAN, BLOCK_K)
-                base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)
-                if PREFETCH and chunk + 1 < V_LOOP:
-                    next_rows = rows + BLOCK_V
-                    codes, scale = tile.load_raw(base_codes + head, base_scale, next_rows, cols, next_rows < V, K, K,
-                                                 base_scaled, BASE_GRAN, BLOCK_K)
+                base, codes, scale = tile.stream_chunk(codes, scale, base_codes + head, base_scale, rows, cols,
+                                                       row_mask, chunk + 1 < V_LOOP, K, V, base_scaled, BASE_DTYPE,
+                                                       BASE_GRAN, HW, PREFETCH, BLOCK_V, BLOCK_K)
                 ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
                                   mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
                 out_tile = is_t[:, None] & row_mask[None, :]

@@ -133,6 +133,23 @@ def load_raw(codes_ptr, scale_ptr, rows, cols, row_mask, K, s_row, s_scale_row, 
 
 
 @triton.jit
+def stream_chunk(codes, scale, codes_ptr, scale_ptr, rows, cols, row_mask, more, K, V, s_scale_row,
+                 DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr, PREFETCH: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One chunk of a state stream over ``BLOCK_V`` rows: ``(rows dequantized, codes, scales)``.
+    Without ``PREFETCH`` it loads the chunk's codes; with it, ``codes, scale`` are the chunk's
+    (loaded a chunk ahead) and, while ``more`` chunks follow, the next chunk's come back."""
+    if not PREFETCH:
+        codes, scale = load_raw(codes_ptr, scale_ptr, rows, cols, row_mask, K, K, s_scale_row, GRAN, BLOCK_K)
+    values = dequantize(codes, scale, DTYPE, GRAN, HW, BLOCK_V, BLOCK_K)
+    if PREFETCH and more:
+        next_rows = rows + BLOCK_V
+        codes, scale = load_raw(codes_ptr, scale_ptr, next_rows, cols, next_rows < V, K, K, s_scale_row, GRAN,
+                                BLOCK_K)
+    return values, codes, scale
+
+
+@triton.jit
 def dequantize(codes, scale, DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr, BLOCK_V: tl.constexpr,
                BLOCK_K: tl.constexpr):
     """fp32 ``code · scale`` of :func:`load_raw`'s codes and scales."""
