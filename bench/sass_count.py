@@ -228,7 +228,7 @@ def launch_gdn_verify(read, T=4, batch=BATCH):
     import qstate
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_verify_plan")
-    launches = record(speculative, ["_verify_kernel", "_verify_stream_kernel"])
+    launches = record(speculative, ["_verify_kernel"])
     HK, HV, K, V = GDN_LAYER
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
                                                   device="cpu", max_draft=T)

@@ -3,18 +3,14 @@ launchers of :mod:`.speculative_kernels`. Verify T drafts per row on replay stat
 ring entries; commit by moving the cursor, folding the ring when it holds ``ring_len`` committed
 tokens; and the per-draft-state baseline of serving engines.
 
-* ``_verify_kernel``, grid ``(1, HV, batch)`` in the split variant (``VERIFY_SPLIT``): one program
-  per value head of a row. It reads the slot's cursor ``n`` (a cursor outside ``[0, ring_len)``
-  flags ``SLOT_BAD_CURSOR``, outputs NaN and writes nothing), appends the drafts' k, g and β at
-  ``n … n+T−1`` and sets ``drafts[slot] = T``. Then the adjoint sweeps of the T drafts run
-  together as a ``[T, K]`` tile: chain t starts at ``q̂_t`` and is carried back through drafts
-  ``t … 0`` and the ring newest first, keeping each token's coefficient; the swept queries ``Q``
-  and the coefficients go to a per-call scratch.
-* ``_verify_stream_kernel``, grid ``(cdiv(V, BLOCK_V'), HV, batch)``: ``o_t = Σ c v + R Q_t``
-  over ``BLOCK_V'`` rows of the read copy (the checkpoint without one), read once for all
-  drafts, and the drafts' v appended.
-* Fused (the default, ``VERIFY_SPLIT = False``): ``_verify_kernel`` alone, grid ``(cdiv(V, BLOCK_V · V_LOOP),
-  HV, batch)``, sweeps once and then streams its ``V_LOOP`` chunks of ``BLOCK_V`` rows.
+* ``_verify_kernel``, grid ``(cdiv(V, BLOCK_V · V_LOOP), HV, batch)``: a program owns ``V_LOOP``
+  chunks of ``BLOCK_V`` rows of one value head of a row. It reads the slot's cursor ``n`` (a
+  cursor outside ``[0, ring_len)`` flags ``SLOT_BAD_CURSOR``, outputs NaN and writes nothing),
+  appends the drafts' k, g and β at ``n … n+T−1`` and sets ``drafts[slot] = T``. Then the
+  adjoint sweeps of the T drafts run together as a ``[T, K]`` tile: chain t starts at ``q̂_t``
+  and is carried back through drafts ``t … 0`` and the ring newest first, keeping each token's
+  coefficient. Each chunk then takes ``o_t = Σ c v + R Q_t`` over its rows of the read copy (the
+  checkpoint without one), read once for all drafts, and appends the drafts' v.
 * ``_commit_list_kernel``, one program: the rows whose commit brings their committed tokens to
   ``ring_len`` or more, listed with their count.
 * ``_commit_fold_kernel``, ``FOLD_PROGRAMS_PER_SM`` programs per multiprocessor walking the
@@ -48,7 +44,7 @@ from ..common.launch import CompiledLaunch, register_cap
 from . import speculative_kernels
 from .conventional import tile_config
 from .speculative_kernels import (_commit_cursor_kernel, _commit_fold_kernel, _commit_list_kernel, _drafts_kernel,
-                                  _verify_kernel, _verify_stream_kernel)
+                                  _verify_kernel)
 
 ERROR_NO_VERIFY = speculative_kernels.ERROR_NO_VERIFY.value
 ERROR_ACCEPTED_RANGE = speculative_kernels.ERROR_ACCEPTED_RANGE.value
@@ -61,16 +57,8 @@ VERIFY_V_LOOP = 16
 # The verify's sweep walks the committed ring tokens this many at a time (0: all ring_len − 1
 # positions unrolled; H100 batch-256 T = 4 round: 1020 / 969 µs against 1247 / 1165 at 0).
 SWEEP_GROUP = 4
-# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps
-# (only without VERIFY_SPLIT).
+# Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweeps.
 PREFETCH = True
-# The split verify (sweep → scratch, then a stream kernel of STREAM_ROWS × STREAM_WARPS): its tl.dot
-# stream lost on an H100 (round 3504 / 3610 µs against 1459 / 1393 fused).
-VERIFY_SPLIT = False
-STREAM_ROWS = 32
-STREAM_WARPS = 4
-# The stream's R Qᵀ and V_ring C_ringᵀ products on a GPU ("ieee": fp32 FMAs).
-STREAM_PRECISION = "ieee"
 # Commit fold: rows of V per tile at K = 128, warps, programs per multiprocessor (H100, batch 256,
 # T = 4 round, Kimi-Linear: 978 / 932 µs against 1094 / 1018 at two uncapped); TF32x3 operands.
 FOLD_ROWS = 32
@@ -79,7 +67,7 @@ FOLD_PRECISION = "tf32x3"
 FOLD_PROGRAMS_PER_SM = 4
 # A register cap for the fold (None: the compiler's 255): 128 lets FOLD_PROGRAMS_PER_SM = 4 fit.
 FOLD_MAXNREG = 128
-# (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the stream's and fold's rows); None: the
+# (BLOCK_V, V_LOOP) of interpreter launches (BLOCK_V also the fold's rows); None: the
 # whole V in one chunk (the interpreter pays per program). Tests set it to run the GPU's shapes.
 INTERPRETER_SPLIT = None
 # Programs below which a verify takes fewer chunks per program, then splits V finer.
@@ -89,7 +77,6 @@ _MIN_BLOCK_V = 4
 BLOCK_R = 256
 
 _verify = CompiledLaunch(_verify_kernel)
-_stream = CompiledLaunch(_verify_stream_kernel)
 _list = CompiledLaunch(_commit_list_kernel)
 _fold = CompiledLaunch(_commit_fold_kernel)
 _cursor = CompiledLaunch(_commit_cursor_kernel)
@@ -121,42 +108,17 @@ def _formats(ck_fmt, rd_fmt) -> dict:
 
 @functools.lru_cache(maxsize=1024)
 def _verify_plan(K, V, num_v_heads, batch, T, ring_len, capacity, device, ck_fmt, rd_fmt, channel, l2norm,
-                 has_slots, out_bf16, split):
-    """``(sweep grid, sweep constexprs, stream grid, stream constexprs, scratch floats per (row,
-    head))``; the stream's None without ``split``."""
-    on_gpu = device.type == "cuda"
-    if split:
-        block_k, whole = max(32, sizes.next_power_of_2(K)), sizes.next_power_of_2(V)
-        block_v, v_loop = whole, 1
-    else:
-        block_k, block_v, v_loop = _verify_tiling(K, V, num_v_heads, batch, device, VERIFY_TILE_ROWS, VERIFY_V_LOOP)
+                 has_slots, out_bf16):
+    """``(grid, constexprs)`` of a verify."""
+    block_k, block_v, v_loop = _verify_tiling(K, V, num_v_heads, batch, device, VERIFY_TILE_ROWS, VERIFY_V_LOOP)
     formats = _formats(ck_fmt, rd_fmt)
     ring_pad, block_t = max(2, sizes.next_power_of_2(ring_len - 1)), max(2, sizes.next_power_of_2(T))
     constexprs = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=ring_pad, BLOCK_T=block_t, **formats,
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop,
-                      PREFETCH=PREFETCH and not split, SPLIT=split, SWEEP_GROUP=SWEEP_GROUP,
-                      num_warps=VERIFY_WARPS if on_gpu else 4)
-    grid = (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch)
-    if not split:
-        return grid, constexprs, None, None, 0
-    stream_v, stream_warps = whole, 4
-    if on_gpu:
-        # At least 16 rows: the products' smallest tile.
-        stream_v, stream_warps = max(16, min(STREAM_ROWS * 128 // block_k, whole)), STREAM_WARPS
-        while stream_v > 16 and batch * num_v_heads * sizes.cdiv(V, stream_v) < MIN_PROGRAMS:
-            stream_v //= 2
-    elif INTERPRETER_SPLIT is not None:
-        stream_v = INTERPRETER_SPLIT[0]
-    has_read = rd_fmt is not None
-    stream = dict(L=ring_len, CAP=capacity, T=T, RING_PAD=ring_pad, BLOCK_T=block_t,
-                  BASE_DTYPE=formats["RD_DTYPE"] if has_read else formats["CK_DTYPE"],
-                  BASE_GRAN=formats["RD_GRAN"] if has_read else 0, HW=constexprs["HW"], HAS_SLOTS=has_slots,
-                  OUT_BF16=out_bf16, BLOCK_V=stream_v, BLOCK_K=block_k, DOT_T=max(16, block_t),
-                  DOT_RING=max(16, ring_pad), PRECISION=STREAM_PRECISION if on_gpu else "ieee",
-                  num_warps=stream_warps)
-    return (grid, constexprs, (sizes.cdiv(V, stream_v), num_v_heads, batch), stream,
-            block_t * (block_k + ring_pad + block_t))
+                      PREFETCH=PREFETCH, SWEEP_GROUP=SWEEP_GROUP,
+                      num_warps=VERIFY_WARPS if device.type == "cuda" else 4)
+    return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), constexprs
 
 
 def _draft_strides(q, k, v, g, beta, out):
@@ -167,35 +129,25 @@ def _draft_strides(q, k, v, g, beta, out):
 
 def launch_verify(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g,
                   ring_beta, cursor, drafts, slot_flags, *, checkpoint_format, read_format, max_draft: int,
-                  qk_scale: float, use_qk_l2norm: bool, split=None) -> None:
+                  qk_scale: float, use_qk_l2norm: bool) -> None:
     """Launch one verify on validated arguments: ``q, k (batch, T, HK, K)``, ``v, out (batch, T,
     HV, V)``, ``g (batch, T, HV[, K])``, ``beta (batch, T, HV)``, unit inner stride; the cache's
-    tensors contiguous (ring of ``ring_len + max_draft`` tokens), ``T ≤ max_draft``. ``split``:
-    the split variant (sweep, then stream kernel, through an fp32 scratch of ``batch · HV ·
-    BLOCK_T · (BLOCK_K + RING_PAD + BLOCK_T)`` allocated per call); None: ``VERIFY_SPLIT``."""
+    tensors contiguous (ring of ``ring_len + max_draft`` tokens), ``T ≤ max_draft``."""
     batch, T, num_v_heads, V = v.shape
     K = k.shape[3]
     capacity = ring_k.shape[2]
     out_bf16 = out.dtype == torch.bfloat16
-    split = VERIFY_SPLIT if split is None else bool(split)
-    grid, constexprs, stream_grid, stream, scratch_floats = _verify_plan(
+    grid, constexprs = _verify_plan(
         K, V, num_v_heads, batch, T, capacity - max_draft, capacity, v.device, checkpoint_format, read_format,
-        g.dim() == 4, use_qk_l2norm, slot_indices is not None, out_bf16, split)
+        g.dim() == 4, use_qk_l2norm, slot_indices is not None, out_bf16)
     ck = codec.storage_view(checkpoint, checkpoint_format)
     rd = codec.storage_view(read, read_format) if read is not None else ck
     rd_scale = read_scale if read_scale is not None else ck
     out_view = out.view(torch.int16) if out_bf16 else out
-    # Per call, so a CUDA graph captures its own (torch's graph pool) and calls never share one.
-    scratch = torch.empty(batch * num_v_heads * scratch_floats, dtype=torch.float32, device=v.device) if split else ck
     _verify(grid, (q, k, v, g, beta, slot_indices, out_view, ck, rd, rd_scale, ring_k, ring_v, ring_g, ring_beta,
-                   cursor, drafts, slot_flags, scratch, float(qk_scale), checkpoint.shape[0], k.shape[2],
+                   cursor, drafts, slot_flags, float(qk_scale), checkpoint.shape[0], k.shape[2],
                    num_v_heads, K, V, num_v_heads // k.shape[2], *_draft_strides(q, k, v, g, beta, out)),
             constexprs, v.is_cuda)
-    if split:
-        base = rd if read is not None else ck
-        _stream(stream_grid, (v, slot_indices, out_view, base, rd_scale, ring_v, cursor, slot_flags, scratch,
-                              checkpoint.shape[0], num_v_heads, K, V, *v.stride()[:3], *out.stride()[:3]),
-                stream, v.is_cuda)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,5 +1,5 @@
-"""Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``, and
-``_verify_stream_kernel`` in the split variant), the commit's three (``_commit_list_kernel``,
+"""Speculative decoding kernels of the gated delta rule: the verify's (``_verify_kernel``), the
+commit's three (``_commit_list_kernel``,
 ``_commit_fold_kernel``, ``_commit_cursor_kernel``) and the per-draft-state baseline's
 (``_drafts_kernel``). Launched by :mod:`.speculative`, whose docstring says what each does."""
 
@@ -54,14 +54,14 @@ def _sweep_ring_token(Q, c_ring, ring_slots, i, n, ring_k, ring_g, ring_beta, co
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, drafts_ptr,
-    slot_flags_ptr, scratch_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    slot_flags_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_b, s_q_t, s_q_h, s_k_b, s_k_t, s_k_h, s_v_b, s_v_t, s_v_h, s_g_b, s_g_t, s_g_h,
     s_beta_b, s_beta_t, s_beta_h, s_out_b, s_out_t, s_out_h,
     L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr, RING_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr, RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr,
     HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, SWEEP_GROUP: tl.constexpr,
+    PREFETCH: tl.constexpr, SWEEP_GROUP: tl.constexpr,
 ):
     v_part = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,11 +107,10 @@ def _verify_kernel(
             base_codes, base_scale, base_scaled = ck_ptr, ck_ptr, 0
             BASE_DTYPE: tl.constexpr = CK_DTYPE
             BASE_GRAN: tl.constexpr = 0
-        if PREFETCH:
-            # The first chunk's rows are loaded before the sweeps, so they arrive meanwhile.
-            rows = v_part * V_LOOP * BLOCK_V + lanes
-            codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, rows < V, K, K,
-                                         base_scaled, BASE_GRAN, BLOCK_K)
+        # PREFETCH: the first chunk's rows are loaded before the sweeps, so they arrive meanwhile.
+        rows = v_part * V_LOOP * BLOCK_V + lanes
+        codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, (rows < V) & PREFETCH, K, K,
+                                     base_scaled, BASE_GRAN, BLOCK_K)
         # The drafts join the ring past the committed tokens (positions n + t; no program of this
         # call reads them there): g and β by the head's first program, k by the key group's.
         if v_part == 0:
@@ -160,91 +159,28 @@ def _verify_kernel(
                 for u in tl.static_range(SWEEP_GROUP):
                     Q, c_ring = _sweep_ring_token(Q, c_ring, ring_slots, first + u, n, ring_k, ring_g, ring_beta,
                                                   cols, K, L2NORM, CHANNEL, BLOCK_T, BLOCK_K)
-        if SPLIT:
-            # Q, c_ring and c_draft go to the scratch for _verify_stream_kernel (its docstring).
-            scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_T * (BLOCK_K + RING_PAD + BLOCK_T))
-            tl.store(scratch + ts[:, None] * BLOCK_K + cols[None, :], Q)
-            tl.store(scratch + BLOCK_T * BLOCK_K + ts[:, None] * RING_PAD + ring_slots[None, :], c_ring)
-            tl.store(scratch + BLOCK_T * (BLOCK_K + RING_PAD) + ts[:, None] * BLOCK_T + ts[None, :], c_draft)
-        else:
-            newest_first = n - 1 - ring_slots
-            causal = ts[None, :] <= ts[:, None]  # [chain, draft position]
-            for chunk in range(V_LOOP):
-                rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
-                row_mask = rows < V
-                base, codes, scale = tile.stream_chunk(codes, scale, base_codes + head, base_scale, rows, cols,
-                                                       row_mask, chunk + 1 < V_LOOP, K, V, base_scaled, BASE_DTYPE,
-                                                       BASE_GRAN, HW, PREFETCH, BLOCK_V, BLOCK_K)
-                ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
-                                  mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
-                out_tile = is_t[:, None] & row_mask[None, :]
-                v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
-                tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
-                         mask=out_tile)
-                o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
-                o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
-                                     0.0), axis=1)
-                for t in tl.static_range(T):
-                    Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
-                    o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
-                flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-                tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
-
-
-@triton.jit
-def _verify_stream_kernel(
-    v_ptr, slot_ptr, out_ptr, base_ptr, base_scale_ptr, ring_v_ptr, cursor_ptr, slot_flags_ptr, scratch_ptr,
-    num_slots, num_v_heads, K, V, s_v_b, s_v_t, s_v_h, s_out_b, s_out_t, s_out_h,
-    L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr, RING_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BASE_DTYPE: tl.constexpr, BASE_GRAN: tl.constexpr, HW: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_T: tl.constexpr,
-    DOT_RING: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """The split verify's outputs of served rows over ``BLOCK_V`` rows of V: draft t's
-    ``o_t = Σ_i c_ring[t, i] v_{n−1−i} + Σ_{p ≤ t} c_draft[t, p] v_p + R Q_t`` (R: the read copy,
-    or the checkpoint), and the drafts' v appended at ``n … n+T−1``. The scratch of a (row, value
-    head) holds, from ``_verify_kernel``: ``Q [BLOCK_T, BLOCK_K]``, ``c_ring [BLOCK_T, RING_PAD]``
-    (newest first), ``c_draft [BLOCK_T, BLOCK_T]``. ``R Qᵀ`` and ``V_ring C_ringᵀ`` are products
-    over ``DOT_T ≥ T`` chains (rows past T zero); padding and bad cursors are the sweep's."""
-    v_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
-    live = (slot >= 0) & (slot < num_slots)
-    n = tl.load(cursor_ptr + slot, mask=live, other=L)
-    if live & ~cursor_outside(n, L):
-        rows = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        cols = tl.arange(0, BLOCK_K)
-        row_mask = rows < V
-        ring_head = slot * num_v_heads + h
-        codes, scale = tile.load_raw(base_ptr + ring_head * V * K, base_scale_ptr + ring_head * V, rows, cols,
-                                     row_mask, K, K, 1, BASE_GRAN, BLOCK_K)
-        chains = tl.arange(0, DOT_T)
-        is_chain = chains < T
-        positions = tl.arange(0, DOT_RING)
-        ring_v = ring_v_ptr + ring_head * CAP * V
-        ring_vs = tl.load(ring_v + (n - 1 - positions)[None, :] * V + rows[:, None],
-                          mask=(positions < n)[None, :] & row_mask[:, None], other=0.0).to(tl.float32)
-        scratch = scratch_ptr + (b * num_v_heads + h) * (BLOCK_T * (BLOCK_K + RING_PAD + BLOCK_T))
-        c_ring = scratch + BLOCK_T * BLOCK_K
-        c_draft = c_ring + BLOCK_T * RING_PAD
-        Q = tl.load(scratch + chains[:, None] * BLOCK_K + cols[None, :], mask=is_chain[:, None], other=0.0)
-        C = tl.load(c_ring + chains[:, None] * RING_PAD + positions[None, :],
-                    mask=is_chain[:, None] & (positions < RING_PAD)[None, :], other=0.0)  # [DOT_T, DOT_RING]
-        base = tile.dequantize(codes, scale, BASE_DTYPE, BASE_GRAN, HW, BLOCK_V, BLOCK_K)  # [BLOCK_V, BLOCK_K]
-        o = tl.dot(base, tl.trans(Q), input_precision=PRECISION)  # [BLOCK_V, DOT_T]
-        o += tl.dot(ring_vs, tl.trans(C), input_precision=PRECISION)
-        v_row = v_ptr + b * s_v_b + h * s_v_h
-        for p in tl.static_range(T):
-            v_p = tl.load(v_row + p * s_v_t + rows, mask=row_mask, other=0.0)
-            tl.store(ring_v + (n + p) * V + rows, v_p.to(ring_v_ptr.dtype.element_ty), mask=row_mask)
-            c_p = tl.load(c_draft + chains * BLOCK_T + p, mask=is_chain, other=0.0)  # [DOT_T]
-            # Chains before p never read draft p: its inputs may be NaN or inf.
-            o = tl.where((chains >= p)[None, :], o + v_p.to(tl.float32)[:, None] * c_p[None, :], o)
-        out_tile = row_mask[:, None] & is_chain[None, :]
-        flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
-        tile.store_output(out_ptr + b * s_out_b + h * s_out_h, o, rows[:, None] + chains[None, :] * s_out_t,
-                          out_tile, OUT_BF16, HW)
+        newest_first = n - 1 - ring_slots
+        causal = ts[None, :] <= ts[:, None]  # [chain, draft position]
+        for chunk in range(V_LOOP):
+            rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
+            row_mask = rows < V
+            base, codes, scale = tile.stream_chunk(codes, scale, base_codes + head, base_scale, rows, cols,
+                                                   row_mask, chunk + 1 < V_LOOP, K, V, base_scaled, BASE_DTYPE,
+                                                   BASE_GRAN, HW, PREFETCH, BLOCK_V, BLOCK_K)
+            ring_vs = tl.load(ring_v + newest_first[:, None] * V + rows[None, :],
+                              mask=(ring_slots < n)[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
+            out_tile = is_t[:, None] & row_mask[None, :]
+            v_d = tl.load(v_row + ts[:, None] * s_v_t + rows[None, :], mask=out_tile, other=0.0)
+            tl.store(ring_v + (n + ts[:, None]) * V + rows[None, :], v_d.to(ring_v_ptr.dtype.element_ty),
+                     mask=out_tile)
+            o = tl.sum(c_ring[:, :, None] * ring_vs[None, :, :], axis=1)  # [BLOCK_T, BLOCK_V]
+            o += tl.sum(tl.where(causal[:, :, None], c_draft[:, :, None] * v_d.to(tl.float32)[None, :, :],
+                                 0.0), axis=1)
+            for t in tl.static_range(T):
+                Q_t = tl.sum(tl.where(ts[:, None] == t, Q, 0.0), axis=0)
+                o = tl.where(ts[:, None] == t, o + tl.sum(base * Q_t[None, :], axis=1)[None, :], o)
+            flag_nonfinite(slot_flags_ptr, slot, o, out_tile)
+            tile.store_output(out_row, o, ts[:, None] * s_out_t + rows[None, :], out_tile, OUT_BF16, HW)
 
 
 @triton.jit

@@ -118,31 +118,25 @@ class Shadow:
 
 
 CASES = [
-    # (channel, ring_len, max_draft, T, checkpoint, read, split, verify, rounds)
-    (False, 4, 3, 3, "fp32", None, None, "split", 6),
-    (True, 4, 4, 3, "fp32", "fp8_e4m3:row", (4, 2), "split", 3),
-    (False, 5, 2, 2, "bf16", "int8:row", None, "split", 6),
-    (True, 4, 3, 3, "fp32", "int8:row", (4, 2), "fused", 4),
-    (False, 4, 3, 3, "fp32", None, None, "fused", 4),
-    (True, 4, 3, 2, "fp32", "bf16", (4, 2), "fused", 4),
+    # (channel, ring_len, max_draft, T, checkpoint, read, split, prefetch, rounds)
+    (False, 4, 3, 3, "fp32", None, None, False, 6),
+    (True, 4, 4, 3, "fp32", "fp8_e4m3:row", (4, 2), False, 3),
+    (False, 5, 2, 2, "bf16", "int8:row", None, False, 6),
+    (True, 4, 3, 3, "fp32", "int8:row", (4, 2), True, 4),
+    (False, 4, 3, 3, "fp32", None, None, True, 4),
+    (True, 4, 3, 2, "fp32", "bf16", (4, 2), True, 4),
 ]
 
 
-def use_verify(monkeypatch, verify):
-    """Run the ``verify`` variant: "split" (sweep, then stream kernel) or "fused"."""
-    from qstate.kernels.gated_delta import speculative
-    monkeypatch.setattr(speculative, "VERIFY_SPLIT", verify == "split")
-
-
-@pytest.mark.parametrize("channel,ring_len,max_draft,T,checkpoint,read,split,verify,rounds", CASES)
+@pytest.mark.parametrize("channel,ring_len,max_draft,T,checkpoint,read,split,prefetch,rounds", CASES)
 def test_rounds_against_the_exact_recurrence_from_what_they_read(monkeypatch, channel, ring_len, max_draft, T,
-                                                                  checkpoint, read, split, verify, rounds):
+                                                                  checkpoint, read, split, prefetch, rounds):
     """Staggered slots, padding rows, random acceptance counts; flushes at commits checked.
-    ``split``: the GPU's launch shape (V over 2 programs of 2 chunks, loading a chunk ahead; the
-    stream kernel over 2 programs); ``verify``: the verify variant (:func:`use_verify`)."""
+    ``split``: the GPU's launch shape (V over 2 programs of 2 chunks; the fold's tiles of 4 rows);
+    ``prefetch``: the verify loads each chunk of the state one chunk ahead."""
     from qstate.kernels.gated_delta import speculative
     monkeypatch.setattr(speculative, "INTERPRETER_SPLIT", split)
-    use_verify(monkeypatch, verify)
+    monkeypatch.setattr(speculative, "PREFETCH", prefetch)
     g = torch.Generator().manual_seed(1)
     cache = allocate(4, channel=channel, ring_len=ring_len, max_draft=max_draft, read=read, checkpoint=checkpoint)
     state0 = torch.randn(4, HV, V, K, generator=g)
@@ -203,14 +197,15 @@ def test_any_acceptance_sequence_equals_sequential_decode(accepted):
     shadow.check_sequential(state0)
 
 
-@pytest.mark.parametrize("verify", ["fused", "split"])
-def test_a_nan_in_a_rejected_draft_reaches_no_accepted_output_and_no_other_slot(monkeypatch, verify):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_nan_in_a_rejected_draft_reaches_no_accepted_output_and_no_other_slot(monkeypatch, prefetch):
     """Draft 1 of slot 0 holds NaN in one input at a time and is rejected: draft 0's output, the
     next round (after both slots' flushes) and slot 1 are bit for bit those of a run where that
     draft was finite; the flags mark slot 0 only (the NaN reached draft 1's own output).
     The host's value checks are off, as on a GPU (they would refuse a NaN gate or β)."""
+    from qstate.kernels.gated_delta import speculative
     monkeypatch.setattr(spec._gated_delta_checks, "check_values", lambda g, beta: None)
-    use_verify(monkeypatch, verify)
+    monkeypatch.setattr(speculative, "PREFETCH", prefetch)
 
     def run(poison):
         cache = allocate(2, channel=False, ring_len=1, max_draft=2, read="fp8_e4m3:row", V=8)
