@@ -8,9 +8,10 @@ head: never the corrected value) and a cursor (tokens in the ring).
 
 Step kernel, grid ``(cdiv(V, BLOCK_V · V_LOOP), HV, batch)``; each program owns ``V_LOOP``
 chunks of ``BLOCK_V`` rows of V of one head of one row, K whole. It reads the slot's cursor
-``n``: one outside ``[0, L)`` (memory a caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's flags, the row outputs NaN and nothing of
-the slot is written (``kernels/README.md#cursor-safety``). Else it appends the token at ``n`` (v
-by every V-tile; g and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
+``n``: one outside ``[0, L)`` (memory a caller wrote) sets ``SLOT_BAD_CURSOR`` in the slot's
+flags, the row outputs NaN and nothing of the slot is written
+(``kernels/README.md#cursor-safety``). Else it appends the token at ``n`` (v by every V-tile; g
+and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
 
 * ``n < L − 1`` (a normal row): the adjoint sweep. ``T ← q̂``, ``o ← 0``; for the current token
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
