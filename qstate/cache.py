@@ -66,20 +66,19 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
-from . import _validate
-from .formats import FLT_MIN, FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
+from . import _cache_slots, _validate
+from ._cache_slots import SlotsLike
+from .formats import FLT_MIN, FormatLike, StateFormat, as_format
 from .kernels.common import slot_flags as _slot_flags
 
 __all__ = ["ReplayCache", "SLOT_BAD_CURSOR", "SLOT_NONFINITE"]
 
 SLOT_BAD_CURSOR = _slot_flags.SLOT_BAD_CURSOR.value
 SLOT_NONFINITE = _slot_flags.SLOT_NONFINITE.value
-
-SlotsLike = Union[torch.Tensor, Sequence[int], int]
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,10 +145,10 @@ class ReplayCache:
             _validate.positive_int(name, v)
         if nheads % ngroups:
             raise ValueError(f"ngroups: nheads ({nheads}) must be a multiple of ngroups, got {ngroups}")
-        _check_max_draft(max_draft)
+        _cache_slots.check_max_draft(max_draft)
         capacity = ring_len + max_draft
         ck_fmt, read_fmt = _formats(checkpoint, read)
-        _check_input_dtype(input_dtype)
+        _cache_slots.check_input_dtype(input_dtype)
         device = _device(device)
         _check_seed(seed)
         shape = (num_slots, nheads, headdim, dstate)
@@ -201,7 +200,7 @@ class ReplayCache:
         """
         ck_fmt, read_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
         _validate.tensor("ring_x", ring_x, ndim=4)
-        _check_max_draft(max_draft)
+        _cache_slots.check_max_draft(max_draft)
         _check_seed(seed)
         if ring_x.shape[2] <= max_draft:
             raise ValueError(f"ring_x: expected more than max_draft = {max_draft} tokens (ring_len + max_draft), "
@@ -244,15 +243,9 @@ class ReplayCache:
             if name == "read":
                 want = None if fmt is None else (shape, fmt.storage_dtype)
             else:
-                want = None if fmt is None or not fmt.scaled else (tuple(fmt.scale_shape(shape)), torch.float32)
-            if want is None:
-                if t is not None:
-                    raise ValueError(f"{name}: expected None for format {fmt}, got a tensor")
-            else:
-                if t is None:
-                    raise ValueError(f"{name}: expected a tensor of shape {want[0]} for format {fmt}, got None")
-                expected[name] = (t, want[0], want[1])
-        _check_input_dtype(self.ring_x.dtype, "ring_x")
+                want = None if fmt is None or not fmt.scaled else (fmt.scale_shape(shape), torch.float32)
+            _cache_slots.expect_optional(expected, name, t, want, fmt)
+        _cache_slots.check_input_dtype(self.ring_x.dtype, "ring_x")
         if ngroups < 1 or nheads % ngroups:
             raise ValueError(f"ring_B: nheads ({nheads}) must be a multiple of ngroups, got {ngroups}")
         _check_block32(self.checkpoint_format, "checkpoint", dstate)
@@ -303,7 +296,7 @@ class ReplayCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all tensors of the cache."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+        return _cache_slots.tensor_bytes(self.tensors().values())
 
     def bytes_per_step(self) -> float:
         """Bytes of cache traffic per slot and decode step, averaged over one flush cycle.
@@ -315,8 +308,8 @@ class ReplayCache:
         Decode inputs and outputs (x, dt, B, C, z, y) are not included.
         """
         L = self.ring_len
-        ck = _state_bytes(self.checkpoint, self.checkpoint_scale)
-        rd = ck if self.read is None else _state_bytes(self.read, self.read_scale)
+        ck = _cache_slots.slot_state_bytes(self.checkpoint, self.checkpoint_scale)
+        rd = ck if self.read is None else _cache_slots.slot_state_bytes(self.read, self.read_scale)
         per_token = self.nheads * (self.headdim * self.ring_x.element_size() + 4) + \
             self.ngroups * self.dstate * self.ring_B.element_size()
         flush = ck + ck + (0 if self.read is None else rd)
@@ -327,29 +320,7 @@ class ReplayCache:
     # ---------------------------------------------------------------- admission and read-out
 
     def _slots(self, slots: SlotsLike, name: str = "slots") -> torch.Tensor:
-        if isinstance(slots, int) and not isinstance(slots, bool):
-            slots = [slots]
-        if isinstance(slots, torch.Tensor):
-            if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
-                raise TypeError(f"{name}: expected a 1-D integer tensor, got {slots.dtype} shape {tuple(slots.shape)}")
-            idx = slots.to(device=self.device, dtype=torch.long)
-        else:
-            try:
-                values = list(slots)
-            except TypeError:
-                raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {slots!r}") from None
-            # torch.tensor(..., dtype=long) would truncate 1.5 to slot 1.
-            if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
-                raise TypeError(f"{name}: expected a flat sequence of ints, got {slots!r}")
-            idx = torch.tensor(values, dtype=torch.long, device=self.device)
-        if idx.numel() == 0:
-            return idx
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= self.num_slots:
-            raise ValueError(f"{name}: expected slot indices in [0, {self.num_slots}), got min {lo}, max {hi}")
-        if torch.unique(idx).numel() != idx.numel():
-            raise ValueError(f"{name}: expected distinct slot indices, got repeats in {idx.tolist()}")
-        return idx
+        return _cache_slots.slot_index(slots, self.num_slots, self.device, name)
 
     def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None, *,
               generator: Optional[torch.Generator] = None) -> None:
@@ -366,40 +337,25 @@ class ReplayCache:
             raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         idx = self._slots(slots)
         shape = (idx.numel(), self.nheads, self.headdim, self.dstate)
-        if state is None:
-            values = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        else:
-            _validate.tensor("state", state, ndim=4)
-            _validate.shape("state", state, shape, "(len(slots), nheads, headdim, dstate)")
-            values = state.to(device=self.device, dtype=torch.float32)
+        values = _cache_slots.admission_values(state, shape, self.device, "(len(slots), nheads, headdim, dstate)")
         if idx.numel() == 0:
             return
-        ck = quantize(values, self.checkpoint_format, generator=generator)
-        self.checkpoint[idx] = ck.data
-        if self.checkpoint_scale is not None:
-            self.checkpoint_scale[idx] = ck.scale
-        if self.read is not None:
-            rd = quantize(dequantize(ck), self.read_format, generator=generator)
-            self.read[idx] = rd.data
-            if self.read_scale is not None:
-                self.read_scale[idx] = rd.scale
+        _cache_slots.admit(idx, values, self.checkpoint_format, self.checkpoint, self.checkpoint_scale,
+                           self.read_format, self.read, self.read_scale, generator)
         self.cursor[idx] = 0
         self.drafts[idx] = 0
         self.slot_flags[idx] = 0
 
     def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values of the stored checkpoints of ``slots``: ``(n, nheads, headdim, dstate)``."""
-        idx = self._slots(slots)
-        scale = None if self.checkpoint_scale is None else self.checkpoint_scale[idx]
-        return dequantize(QuantizedState(self.checkpoint[idx], scale, self.checkpoint_format))
+        return _cache_slots.stored_values(self.checkpoint, self.checkpoint_scale, self.checkpoint_format,
+                                          self._slots(slots))
 
     def read_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values the outputs read: the read copy, or the checkpoint without one."""
         if self.read is None:
             return self.checkpoint_values(slots)
-        idx = self._slots(slots)
-        scale = None if self.read_scale is None else self.read_scale[idx]
-        return dequantize(QuantizedState(self.read[idx], scale, self.read_format))
+        return _cache_slots.stored_values(self.read, self.read_scale, self.read_format, self._slots(slots))
 
     def materialize(self, slots: SlotsLike, A: torch.Tensor) -> torch.Tensor:
         """fp32 state of ``slots`` with their rings folded in: ``(n, nheads, headdim, dstate)``.
@@ -468,10 +424,7 @@ def _check_ring_positions(cache: "ReplayCache") -> None:
     """Cursors and drafts inside each slot's ring (a kernel addresses the ring at them)."""
     cap = cache.capacity
     cursor, drafts = cache.cursor.long().cpu(), cache.drafts.long().cpu()
-    bad = (cursor < 0) | (cursor >= cap)
-    if bool(bad.any()):
-        raise ValueError(f"cursor: expected values in [0, {cap}) (ring_len + max_draft), got {cursor[bad].tolist()} "
-                         f"at slots {bad.nonzero().flatten().tolist()}")
+    _cache_slots.check_counter("cursor", cursor, cap, " (ring_len + max_draft)")
     bad = (drafts < 0) | (drafts > cache.max_draft)
     if bool(bad.any()):
         raise ValueError(f"drafts: expected values in [0, {cache.max_draft}] (max_draft), got "
@@ -482,26 +435,7 @@ def _check_ring_positions(cache: "ReplayCache") -> None:
                          f"{(cursor + drafts)[bad].tolist()} at slots {bad.nonzero().flatten().tolist()}")
 
 
-def _check_max_draft(max_draft) -> None:
-    if isinstance(max_draft, bool) or not isinstance(max_draft, int):
-        raise TypeError(f"max_draft: expected an int, got {type(max_draft).__name__}")
-    if max_draft < 0:
-        raise ValueError(f"max_draft: expected an int >= 0, got {max_draft}")
-
-
 def _check_block32(fmt: Optional[StateFormat], name: str, dstate: int) -> None:
     if fmt is not None and fmt.granularity == "block32" and dstate % 32:
         raise ValueError(f"{name}: format {fmt} needs dstate % 32 == 0, got dstate {dstate}")
 
-
-def _check_input_dtype(dtype, name: str = "input_dtype") -> None:
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{name}: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
-
-
-def _state_bytes(data: torch.Tensor, scale: Optional[torch.Tensor]) -> float:
-    """Bytes of one slot's state (codes and scales)."""
-    per_slot = data[0].numel() * data.element_size()
-    if scale is not None:
-        per_slot += scale[0].numel() * 4
-    return float(per_slot)

@@ -45,21 +45,20 @@ A serving engine that owns its memory builds a cache over its own tensors with
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
-from . import _validate
-from .formats import FormatLike, QuantizedState, StateFormat, as_format, dequantize, quantize
+from . import _cache_slots, _validate
+from ._cache_slots import SlotsLike
+from .formats import FormatLike, StateFormat, as_format
 from .reference.gated_delta import l2norm
 
 __all__ = ["GatedDeltaReplayCache", "CHECKPOINT_FORMATS", "READ_FORMATS", "GATES"]
 
-SlotsLike = Union[torch.Tensor, Sequence[int], int]
 CHECKPOINT_FORMATS = ("fp32", "bf16", "fp16")
 READ_FORMATS = ("bf16", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row")
 GATES = ("scalar", "channel")
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _formats(checkpoint, read, names=("checkpoint", "read")):
@@ -72,11 +71,6 @@ def _formats(checkpoint, read, names=("checkpoint", "read")):
     if str(rd) not in READ_FORMATS:
         raise ValueError(f"{names[1]}: expected None or one of {list(READ_FORMATS)}, got '{rd}'")
     return ck, rd
-
-
-def _input_dtype(dtype, name: str) -> None:
-    if dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name}: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -130,9 +124,9 @@ class GatedDeltaReplayCache:
             raise ValueError(f"num_v_heads: expected a multiple of num_k_heads = {num_k_heads}, got {num_v_heads}")
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {list(GATES)}, got {gate!r}")
-        _check_max_draft(max_draft)
+        _cache_slots.check_max_draft(max_draft)
         ck_fmt, rd_fmt = _formats(checkpoint, read)
-        _input_dtype(input_dtype, "input_dtype")
+        _cache_slots.check_input_dtype(input_dtype)
         capacity = ring_len + max_draft
         device = torch.device("cpu") if device is None else torch.device(device)
         shape = (num_slots, num_v_heads, head_v_dim, head_k_dim)
@@ -170,7 +164,7 @@ class GatedDeltaReplayCache:
         lie in the ring: ``0 <= cursor < ring_len`` and ``0 <= drafts <= max_draft`` (a cursor that
         memory written later puts outside is met on the device: ``SLOT_BAD_CURSOR``)."""
         ck_fmt, rd_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
-        _check_max_draft(max_draft)
+        _cache_slots.check_max_draft(max_draft)
         _validate.tensor("ring_k", ring_k, ndim=4)
         if ring_k.shape[2] <= max_draft:
             raise ValueError(f"ring_k: expected more than max_draft = {max_draft} tokens (ring_len + max_draft) in "
@@ -180,12 +174,8 @@ class GatedDeltaReplayCache:
                     cursor=cursor, max_draft=max_draft, drafts=drafts, commit_errors=commit_errors,
                     slot_flags=slot_flags)
         cache.validate()
-        for name, values, top in (("cursor", cursor, cache.ring_len), ("drafts", cache.drafts, max_draft + 1)):
-            n = values.long().cpu()
-            bad = (n < 0) | (n >= top)
-            if bool(bad.any()):
-                raise ValueError(f"{name}: expected values in [0, {top}), got {n[bad].tolist()} at slots "
-                                 f"{bad.nonzero().flatten().tolist()}")
+        _cache_slots.check_counter("cursor", cursor, cache.ring_len, "")
+        _cache_slots.check_counter("drafts", cache.drafts, max_draft + 1, "")
         return cache
 
     def validate(self) -> None:
@@ -203,7 +193,7 @@ class GatedDeltaReplayCache:
         if self.ring_g.dim() not in (3, 4):
             raise ValueError(f"ring_g: expected (slots, HV, ring_len) or (slots, HV, ring_len, K), got shape "
                              f"{tuple(self.ring_g.shape)}")
-        _input_dtype(self.ring_k.dtype, "ring_k")
+        _cache_slots.check_input_dtype(self.ring_k.dtype, "ring_k")
         shape = (slots, HV, V, K)
         gate = (slots, HV, L) + ((K,) if self.ring_g.dim() == 4 else ())
         expected = {
@@ -218,16 +208,11 @@ class GatedDeltaReplayCache:
             "slot_flags": (self.slot_flags, (slots,), torch.int32),
         }
         rd = self.read_format
-        for name, t, want in (("read", self.read, None if rd is None else (shape, rd.storage_dtype)),
-                              ("read_scale", self.read_scale,
-                               None if rd is None or not rd.scaled else (rd.scale_shape(shape), torch.float32))):
-            if want is None:
-                if t is not None:
-                    raise ValueError(f"{name}: expected None for read format {rd}, got a tensor")
-            elif t is None:
-                raise ValueError(f"{name}: expected a tensor of shape {tuple(want[0])} for read format {rd}, got None")
-            else:
-                expected[name] = (t, want[0], want[1])
+        _cache_slots.expect_optional(expected, "read", self.read, None if rd is None else (shape, rd.storage_dtype),
+                                     rd)
+        _cache_slots.expect_optional(expected, "read_scale", self.read_scale,
+                                     None if rd is None or not rd.scaled else (rd.scale_shape(shape), torch.float32),
+                                     rd)
         _validate.cache_tensors(expected, self.checkpoint.device)
 
     # ---------------------------------------------------------------- sizes
@@ -282,7 +267,7 @@ class GatedDeltaReplayCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all tensors of the cache."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+        return _cache_slots.tensor_bytes(self.tensors().values())
 
     def bytes_per_step(self) -> float:
         """Bytes of cache traffic per slot and decode step, averaged over one flush cycle: the
@@ -292,9 +277,8 @@ class GatedDeltaReplayCache:
         inputs and outputs are not included. For :func:`qstate.gated_delta_replay` (caches
         without ``max_draft``)."""
         L = self.ring_len
-        ck = self.checkpoint[0].numel() * self.checkpoint.element_size()
-        rd = ck if self.read is None else self.read[0].numel() * self.read.element_size() + (
-            0 if self.read_scale is None else self.read_scale[0].numel() * 4)
+        ck = _cache_slots.slot_state_bytes(self.checkpoint, None)
+        rd = ck if self.read is None else _cache_slots.slot_state_bytes(self.read, self.read_scale)
         per_token = sum(t[0, :, 0].numel() * t.element_size() for t in (self.ring_k, self.ring_v, self.ring_g,
                                                                        self.ring_beta))
         flush = 2 * ck + (0 if self.read is None else rd)
@@ -304,24 +288,7 @@ class GatedDeltaReplayCache:
     # ---------------------------------------------------------------- admission and read-out
 
     def _slots(self, slots: SlotsLike, name: str = "slots") -> torch.Tensor:
-        if isinstance(slots, int) and not isinstance(slots, bool):
-            slots = [slots]
-        if isinstance(slots, torch.Tensor):
-            if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
-                raise TypeError(f"{name}: expected a 1-D integer tensor, got {slots.dtype} shape {tuple(slots.shape)}")
-            idx = slots.to(device=self.device, dtype=torch.long)
-        else:
-            values = list(slots)
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-                raise TypeError(f"{name}: expected a flat sequence of ints, got {slots!r}")
-            idx = torch.tensor(values, dtype=torch.long, device=self.device)
-        if idx.numel():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.num_slots:
-                raise ValueError(f"{name}: expected slot indices in [0, {self.num_slots}), got min {lo}, max {hi}")
-            if torch.unique(idx).numel() != idx.numel():
-                raise ValueError(f"{name}: expected distinct slot indices, got repeats in {idx.tolist()}")
-        return idx
+        return _cache_slots.slot_index(slots, self.num_slots, self.device, name)
 
     def reset(self, slots: SlotsLike, state: Optional[torch.Tensor] = None) -> None:
         """Admit sequences: checkpoint ← ``quantize(state)`` (or zeros), read copy ←
@@ -330,37 +297,24 @@ class GatedDeltaReplayCache:
         Pending drafts and the slots' flags are cleared."""
         idx = self._slots(slots)
         shape = (idx.numel(), self.num_v_heads, self.head_v_dim, self.head_k_dim)
-        if state is None:
-            values = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        else:
-            _validate.tensor("state", state, ndim=4)
-            _validate.shape("state", state, shape, "(len(slots), HV, V, K)")
-            values = state.to(device=self.device, dtype=torch.float32)
+        values = _cache_slots.admission_values(state, shape, self.device, "(len(slots), HV, V, K)")
         if idx.numel() == 0:
             return
-        ck = quantize(values, self.checkpoint_format)
-        self.checkpoint[idx] = ck.data
-        if self.read is not None:
-            rd = quantize(dequantize(ck), self.read_format)
-            self.read[idx] = rd.data
-            if self.read_scale is not None:
-                self.read_scale[idx] = rd.scale
+        _cache_slots.admit(idx, values, self.checkpoint_format, self.checkpoint, None, self.read_format, self.read,
+                           self.read_scale)
         self.cursor[idx] = 0
         self.drafts[idx] = 0
         self.slot_flags[idx] = 0
 
     def checkpoint_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values of the stored checkpoints of ``slots``: ``(n, HV, V, K)``."""
-        idx = self._slots(slots)
-        return dequantize(QuantizedState(self.checkpoint[idx], None, self.checkpoint_format))
+        return _cache_slots.stored_values(self.checkpoint, None, self.checkpoint_format, self._slots(slots))
 
     def read_values(self, slots: SlotsLike) -> torch.Tensor:
         """fp32 values the normal steps read: the read copy, or the checkpoint without one."""
         if self.read is None:
             return self.checkpoint_values(slots)
-        idx = self._slots(slots)
-        scale = None if self.read_scale is None else self.read_scale[idx]
-        return dequantize(QuantizedState(self.read[idx], scale, self.read_format))
+        return _cache_slots.stored_values(self.read, self.read_scale, self.read_format, self._slots(slots))
 
     def materialize(self, slots: SlotsLike, *, use_qk_l2norm: bool = True) -> torch.Tensor:
         """fp32 state of ``slots`` with their rings folded in: ``(n, HV, V, K)``, computed in fp64
@@ -381,9 +335,3 @@ class GatedDeltaReplayCache:
                 S[row] = s + d[..., None] * k[:, None, :]
         return S.float()
 
-
-def _check_max_draft(max_draft) -> None:
-    if isinstance(max_draft, bool) or not isinstance(max_draft, int):
-        raise TypeError(f"max_draft: expected an int, got {type(max_draft).__name__}")
-    if max_draft < 0:
-        raise ValueError(f"max_draft: expected an int >= 0, got {max_draft}")

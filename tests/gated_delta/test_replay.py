@@ -167,6 +167,11 @@ def test_sizes_and_from_tensors():
             checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
             ring_beta=cache.ring_beta, cursor=torch.tensor([0, 4], dtype=torch.int32), read_format="int8:row",
             read=cache.read, read_scale=cache.read_scale)
+    with pytest.raises(ValueError, match="^drafts:"):
+        qstate.GatedDeltaReplayCache.from_tensors(
+            checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
+            ring_beta=cache.ring_beta, cursor=cache.cursor, read_format="int8:row", read=cache.read,
+            read_scale=cache.read_scale, drafts=torch.ones(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="^read:"):
         qstate.GatedDeltaReplayCache.from_tensors(
             checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
@@ -177,6 +182,23 @@ def test_sizes_and_from_tensors():
         allocate(1, channel=False, ring_len=4, read="int8:head")
     with pytest.raises(ValueError, match="^gate:"):
         qstate.GatedDeltaReplayCache.allocate(1, 1, 2, 32, 16, gate="vector")
+
+
+@pytest.mark.parametrize("slots, exc, message", [
+    (1.5, TypeError, "slots: expected an int, a sequence"),
+    ([0, 1.0], TypeError, "slots: expected a flat sequence of ints"),
+    (torch.tensor([0.0]), TypeError, "slots: expected a 1-D integer tensor"),
+    ([0, 3], ValueError, r"slots: expected slot indices in \[0, 3\), got min 0, max 3"),
+    ([1, 1], ValueError, "slots: expected distinct slot indices"),
+])
+def test_reset_names_bad_slots_and_changes_nothing(slots, exc, message):
+    cache = allocate(3, channel=False, ring_len=4, read="fp8_e4m3:row")
+    cache.cursor.fill_(2)
+    before = {name: t.clone() for name, t in cache.tensors().items() if t is not None}
+    with pytest.raises(exc, match=f"^{message}"):
+        cache.reset(slots, torch.ones(2, *cache.checkpoint.shape[1:]))
+    for name, t in before.items():
+        assert torch.equal(getattr(cache, name), t), name
 
 
 BAD = [
