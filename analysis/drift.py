@@ -74,7 +74,7 @@ def _input_chunks(profile, steps, batch, heads, seed, inputs):
         yield part
 
 
-def _recorded_steps(steps: int, every: int) -> list[int]:
+def recorded_steps(steps: int, every: int) -> list[int]:
     """About every ``every``-th step and the last: the k-th record (k = 1, 2, …) is at step
     ``k·every − (k − 1) mod every``, so successive records fall on every residue modulo
     ``every``. Every k-th step exactly would meet a replay ring of a length dividing ``every`` at
@@ -110,9 +110,23 @@ class OutputErrors:
 
     def __init__(self, nschemes: int, nheads: int, steps: int, cycle: int, device) -> None:
         self.cycle, self.skip = cycle, steps % cycle
+        self.failed_at: dict[int, int] = {}  # scheme index: first step whose output was not finite
         self.cycle_error = np.full((nschemes, steps // cycle, nheads), np.nan)
         self._cycle_sq = torch.zeros((nschemes, nheads), dtype=torch.float64, device=device)
         self._peak_sq = torch.zeros((nschemes, nheads), dtype=torch.float64, device=device)
+
+    def measure(self, t: int, outputs: dict, y_ref: torch.Tensor) -> torch.Tensor:
+        """Step ``t`` (1-based) of every scheme: ``outputs`` maps each scheme's index to its
+        output ``[batch, heads, rows]``, ``y_ref`` is the exact fp64 one. Notes the schemes whose
+        output is not finite, adds the step and returns ``err_sq [schemes, heads]``."""
+        y_all = torch.stack([outputs[j] for j in range(len(outputs))]).double()  # [schemes, batch, heads, rows]
+        bad = ~torch.isfinite(y_all).flatten(1).all(dim=1)
+        if bool(bad.any()):
+            for j in bad.nonzero().flatten().tolist():
+                self.failed_at.setdefault(j, t)
+        err_sq = (y_all - y_ref).square().sum(dim=(1, 3)) / y_ref.square().sum(dim=(0, 2))
+        self.add(t, err_sq)
+        return err_sq
 
     def add(self, t: int, err_sq: torch.Tensor) -> None:
         """Step ``t`` (1-based): ``err_sq [schemes, heads]``, the squared relative output error."""
@@ -124,16 +138,17 @@ class OutputErrors:
                 self.cycle_error[:, (t - self.skip) // self.cycle - 1] = rms.cpu().numpy()
                 self._cycle_sq.zero_()
 
-    def finish(self, failed) -> tuple[np.ndarray, np.ndarray]:
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
         """``(cycle_error [schemes, cycles, heads], peak_error [schemes, heads])``, NaN for the
-        schemes (indices) in ``failed``."""
+        schemes in ``failed_at``."""
         peak = self._peak_sq.sqrt().cpu().numpy()
-        for j in failed:
+        for j in self.failed_at:
             self.cycle_error[j], peak[j] = np.nan, np.nan
         return self.cycle_error, peak
 
 
-def _progress(total: int, enabled: Optional[bool]):
+def progress_bar(total: int, enabled: Optional[bool]):
+    """A tqdm bar over ``total`` steps, or None (``enabled`` None: long runs on a terminal)."""
     if enabled is None:
         enabled = total >= 2048 and sys.stderr.isatty()
     if not enabled:
@@ -141,6 +156,14 @@ def _progress(total: int, enabled: Optional[bool]):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="step", desc="drift", leave=False)
+
+
+def scheme_generator(scheme, seed: int, device) -> Optional[torch.Generator]:
+    """A generator seeded with ``seed`` for a scheme that rounds stochastically (its state, or a
+    replay scheme's checkpoint or read copy), None for one that does not."""
+    needs = scheme.fmt.stochastic if not scheme.is_replay else (
+        scheme.checkpoint.stochastic or (scheme.read is not None and scheme.read.stochastic))
+    return torch.Generator(device=device).manual_seed(seed) if needs else None
 
 
 def _observed_parameters(inputs: _profiles.DecodeInputs, steps: int) -> tuple[list, list]:
@@ -170,7 +193,7 @@ def simulate(
     ``profile``: a :class:`qstate.profiles.Profile` or its name. ``schemes``: Schemes or their
     strings (a comma-separated string works). ``heads``: None (all heads), an int k (k heads
     spanning the decay range) or head indices. ``every``: record about every ``every``-th step,
-    staggered over the residues modulo ``every`` (:func:`_recorded_steps`), and the last.
+    staggered over the residues modulo ``every`` (:func:`recorded_steps`), and the last.
     ``inputs``: explicit :class:`DecodeInputs` (time length ≥ ``steps``) instead of sampling
     from the profile (``batch``, ``heads`` and ``seed`` then only name the run).
     Stochastic schemes draw their noise from generators seeded with ``seed`` (one per scheme).
@@ -205,27 +228,23 @@ def simulate(
         state0 = None
         decay = None
 
-    recorded = _recorded_steps(steps, every)
+    recorded = recorded_steps(steps, every)
     record_index = {t: r for r, t in enumerate(recorded)}
     nrec, nh, ns = len(recorded), len(head_list), len(scheme_list)
     out_err = np.full((ns, nrec, nh), np.nan)
     state_err = np.full((ns, nrec, nh), np.nan)
     stalled = np.full((ns, nrec, nh), np.nan)
     errors = OutputErrors(ns, nh, steps, cycle, device)
-    failed_at: dict[int, int] = {}
 
     conv_idx = [j for j, s in enumerate(scheme_list) if not s.is_replay]
     ring_lens = sorted({s.ring_len for s in scheme_list if s.is_replay})
     group_idx = {L: [j for j, s in enumerate(scheme_list) if s.is_replay and s.ring_len == L] for L in ring_lens}
 
     def generator(j):
-        s = scheme_list[j]
-        needs = s.fmt.stochastic if not s.is_replay else (
-            s.checkpoint.stochastic or (s.read is not None and s.read.stochastic))
-        return torch.Generator(device=device).manual_seed(seed + j) if needs else None
+        return scheme_generator(scheme_list[j], seed + j, device)
 
     exact = conv = groups = None
-    bar = _progress(steps, progress)
+    bar = progress_bar(steps, progress)
     start_time = time.perf_counter()
     t = 0
     for chunk in _input_chunks(profile, steps, batch, head_list, seed, inputs):
@@ -253,13 +272,7 @@ def simulate(
                 ys = g.step(s, i, exact.state)
                 for k, j in enumerate(group_idx[L]):
                     outputs[j] = ys[k]
-            y_all = torch.stack([outputs[j] for j in range(ns)]).double()  # [schemes, batch, heads, headdim]
-            bad = ~torch.isfinite(y_all).flatten(1).all(dim=1)
-            if bool(bad.any()):
-                for j in bad.nonzero().flatten().tolist():
-                    failed_at.setdefault(j, t)
-            err_sq = (y_all - y_ref).square().sum(dim=(1, 3)) / y_ref.square().sum(dim=(0, 2))
-            errors.add(t, err_sq)
+            err_sq = errors.measure(t, outputs, y_ref)
             if r is not None:
                 out_err[:, r] = err_sq.sqrt().cpu().numpy()
                 exact_norm = exact.state.square().sum(dim=(0, 2, 3)).sqrt()
@@ -276,16 +289,16 @@ def simulate(
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - start_time
-    for j, step in failed_at.items():
+    for j in errors.failed_at:
         out_err[j], state_err[j], stalled[j] = np.nan, np.nan, np.nan
-    cycle_err, peak = errors.finish(failed_at)
+    cycle_err, peak = errors.finish()
     elements = batch * nh * profile.headdim * profile.dstate
     return DriftResult(
         profile=profile, schemes=scheme_list, heads=head_list, decay=[float(d) for d in decay],
         steps=steps, batch=batch, seed=seed, every=every, recorded_steps=np.array(recorded),
         output_error=out_err, state_error=state_err, stalled=stalled, cycle=cycle, cycle_error=cycle_err,
         peak_error=peak,
-        failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
+        failed_at={str(scheme_list[j]): step for j, step in errors.failed_at.items()},
         elapsed_s=elapsed, element_steps=float(elements) * steps,
         observed_parameters=None if inputs is None else _observed_parameters(inputs, steps),
     )

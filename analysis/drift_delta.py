@@ -27,7 +27,7 @@ import torch
 from qstate import _validate
 from qstate import profiles as _profiles
 
-from .drift import DriftResult, OutputErrors, _progress, _recorded_steps, measurement_cycle
+from .drift import DriftResult, OutputErrors, measurement_cycle, progress_bar, recorded_steps, scheme_generator
 from .engine_delta import CorrectedRingGroup, DeltaExact, DeltaNaive, DeltaStepInputs, InputRingGroup, ring_kind
 from .schemes import parse_schemes
 
@@ -104,18 +104,14 @@ def simulate_delta(
     head_list = [int(h) for h in inputs.heads]
     decay = inputs.decay()
 
-    recorded = _recorded_steps(steps, every)
+    recorded = recorded_steps(steps, every)
     record_index = {t: r for r, t in enumerate(recorded)}
     nrec, nh, ns = len(recorded), len(head_list), len(scheme_list)
     out_err, state_err, stalled, ck_err = (np.full((ns, nrec, nh), np.nan) for _ in range(4))
     errors = OutputErrors(ns, nh, steps, cycle, device)
-    failed_at: dict[int, int] = {}
 
     def generator(j):
-        s = scheme_list[j]
-        needs = s.fmt.stochastic if not s.is_replay else (
-            s.checkpoint.stochastic or (s.read is not None and s.read.stochastic))
-        return torch.Generator(device=device).manual_seed(seed + j) if needs else None
+        return scheme_generator(scheme_list[j], seed + j, device)
 
     naive_idx = [j for j, s in enumerate(scheme_list) if not s.is_replay]
     keys = sorted({(s.ring_len, ring_kind(s)) for s in scheme_list if s.is_replay})
@@ -128,7 +124,7 @@ def simulate_delta(
     groups = {(L, ring): (InputRingGroup if ring == "inputs" else CorrectedRingGroup)(
         [scheme_list[j] for j in idx], state0, [generator(j) for j in idx]) for (L, ring), idx in group_idx.items()}
 
-    bar = _progress(steps, progress)
+    bar = progress_bar(steps, progress)
     start_time = time.perf_counter()
     for start in range(0, steps, _CHUNK_STEPS):
         sl = slice(start, min(steps, start + _CHUNK_STEPS))
@@ -148,13 +144,7 @@ def simulate_delta(
                 ys = g.step(s, i, exact.state)
                 for k, j in enumerate(group_idx[key]):
                     outputs[j] = ys[k]
-            y_all = torch.stack([outputs[j] for j in range(ns)]).double()  # [schemes, batch, HV, V]
-            bad = ~torch.isfinite(y_all).flatten(1).all(dim=1)
-            if bool(bad.any()):
-                for j in bad.nonzero().flatten().tolist():
-                    failed_at.setdefault(j, t)
-            err_sq = (y_all - y_ref).square().sum(dim=(1, 3)) / y_ref.square().sum(dim=(0, 2))
-            errors.add(t, err_sq)
+            err_sq = errors.measure(t, outputs, y_ref)
             if r is not None:
                 out_err[:, r] = err_sq.sqrt().cpu().numpy()
                 exact_norm = exact.state.square().sum(dim=(0, 2, 3)).sqrt()
@@ -173,14 +163,14 @@ def simulate_delta(
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - start_time
-    for j in failed_at:
+    for j in errors.failed_at:
         out_err[j], state_err[j], stalled[j], ck_err[j] = np.nan, np.nan, np.nan, np.nan
-    cycle_err, peak = errors.finish(failed_at)
+    cycle_err, peak = errors.finish()
     elements = batch * nh * profile.head_v_dim * profile.head_k_dim
     return DeltaDriftResult(
         profile=profile, schemes=scheme_list, heads=head_list, decay=[float(d) for d in decay],
         steps=steps, batch=batch, seed=seed, every=every, recorded_steps=np.array(recorded),
         output_error=out_err, state_error=state_err, stalled=stalled, cycle=cycle, cycle_error=cycle_err,
-        peak_error=peak, failed_at={str(scheme_list[j]): step for j, step in failed_at.items()},
+        peak_error=peak, failed_at={str(scheme_list[j]): step for j, step in errors.failed_at.items()},
         elapsed_s=elapsed, element_steps=float(elements) * steps, checkpoint_error=ck_err,
     )

@@ -10,7 +10,7 @@ import torch
 
 from qstate import profiles, reference
 from qstate.analysis import drift
-from qstate.analysis.drift import _recorded_steps, measurement_cycle, simulate
+from qstate.analysis.drift import measurement_cycle, recorded_steps, simulate
 from qstate.analysis.plots import final_by_class
 
 TINY = profiles.Profile("tiny", 6, 16, 64, 2, 1)
@@ -190,7 +190,7 @@ def test_records_about_every_kth_step_staggered_and_the_last():
     """Records step k·every − (k − 1) mod every, so they visit every residue modulo ``every``."""
     result = simulate(TINY, ["fp32"], 10, batch=1, every=4)
     assert result.recorded_steps.tolist() == [4, 7, 10]
-    assert sorted(t % 16 for t in _recorded_steps(16 * 16, 16)[:16]) == list(range(16))
+    assert sorted(t % 16 for t in recorded_steps(16 * 16, 16)[:16]) == list(range(16))
     assert result.output_error.shape == (1, 3, TINY.nheads)
 
 
