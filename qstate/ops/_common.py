@@ -200,6 +200,45 @@ def unit_stride_indices(name: str, indices: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor (stride 1), got strides {indices.stride()}")
 
 
+def check_intermediate(intermediate: torch.Tensor, intermediate_scale: Optional[torch.Tensor], state: torch.Tensor,
+                       consts: FormatConstants, batch: int, T: int, layout: str, scale_layout: str) -> None:
+    """The per-draft states of a speculative baseline: ``(batch, T_max) + state.shape[1:]``
+    with ``T_max >= T``, the state's dtype and device, contiguous, and scales for the drafts as
+    the state format gives them (``layout`` and ``scale_layout`` name the dimensions in errors)."""
+    _validate.tensor("intermediate", intermediate, ndim=5, floating=False)
+    t_max = intermediate.shape[1]
+    _validate.shape("intermediate", intermediate, (batch, t_max) + tuple(state.shape[1:]), layout)
+    if t_max < T:
+        raise ValueError(f"intermediate: expected T_max >= T = {T}, got {t_max}")
+    if intermediate.dtype != state.dtype:
+        raise TypeError(f"intermediate: expected the state's dtype {state.dtype}, got {intermediate.dtype}")
+    if intermediate.device != state.device:
+        raise ValueError(f"intermediate: expected device {state.device} (the state's), got {intermediate.device}")
+    if not intermediate.is_contiguous():
+        raise ValueError(f"intermediate: expected a contiguous tensor, got strides {intermediate.stride()}")
+    expected = consts.fmt.scale_shape((batch * t_max,) + tuple(state.shape[1:]))
+    if expected is None:
+        if intermediate_scale is not None:
+            raise ValueError(f"intermediate_scale: state_format '{consts.fmt}' has no scale, expected None")
+        return
+    expected = (batch, t_max) + tuple(expected[1:])
+    if not isinstance(intermediate_scale, torch.Tensor):
+        raise ValueError(f"intermediate_scale: expected an fp32 tensor of shape {expected}, got "
+                         f"{type(intermediate_scale).__name__}")
+    if intermediate_scale.dtype != torch.float32:
+        raise TypeError(f"intermediate_scale: expected dtype torch.float32, got {intermediate_scale.dtype}")
+    _validate.shape("intermediate_scale", intermediate_scale, expected, scale_layout)
+    if not intermediate_scale.is_contiguous():
+        raise ValueError(f"intermediate_scale: expected a contiguous tensor, got strides {intermediate_scale.stride()}")
+
+
+def contiguous_state(state: torch.Tensor, state_scale: Optional[torch.Tensor]) -> None:
+    """The kernels index a slot's codes and scales as one contiguous block."""
+    for name, t in (("state", state), ("state_scale", state_scale)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
 def check_slot_values(indices: torch.Tensor, nslots: int, pad_slot_id: int = -1) -> None:
     """Indices ``< nslots`` and no slot twice (two rows would race on one state), padding
     (negative or ``pad_slot_id``) aside, for a CPU tensor (a value check: it runs on every call,

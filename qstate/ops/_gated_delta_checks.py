@@ -91,3 +91,43 @@ def check_slot_flags(slot_flags, nslots: int, device: torch.device) -> None:
     _common.same_device(device, slot_flags=slot_flags)
     if not slot_flags.is_contiguous():
         raise ValueError(f"slot_flags: expected a contiguous tensor, got strides {slot_flags.stride()}")
+
+
+def check_cache_inputs(cache, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, num_k_heads: int,
+                       channel_gate: bool, lead: str) -> None:
+    """Inputs against a replay cache: its key heads, its gate kind and its ring's input dtype
+    (the ring keeps ``k`` and ``v`` as given). ``lead`` names the leading dimensions of ``g``
+    in the error (``"batch"`` or ``"batch, T"``)."""
+    if num_k_heads != cache.num_k_heads:
+        raise ValueError(f"k: expected HK = {cache.num_k_heads} key heads (the cache's), got shape {tuple(k.shape)}")
+    if channel_gate != (cache.gate == "channel"):
+        want = f"({lead}, HV, K): the cache holds per-channel gates" if cache.gate == "channel" else \
+            f"({lead}, HV): the cache holds one gate per head"
+        raise ValueError(f"g: expected shape {want}, got {tuple(g.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != cache.input_dtype:
+            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (the ring keeps the inputs "
+                            f"as given), got {t.dtype}")
+
+
+def check_slots(slot_indices, batch: int, num_slots: int, device, rows: str) -> None:
+    """Slot indices' metadata: None (then one row per slot; ``rows`` names the argument whose
+    batch is blamed), or as :func:`check_index_tensor` requires."""
+    if slot_indices is None:
+        if num_slots != batch:
+            raise ValueError(f"{rows}: without slot_indices expected {num_slots} rows (one per slot), got {batch}")
+        return
+    check_index_tensor("slot_indices", slot_indices, batch, device)
+
+
+def check_index_tensor(name: str, indices, batch: int, device) -> None:
+    """An int32/int64 ``(batch,)`` tensor of slot indices on ``device`` with unit stride."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected int32 or int64, got {indices.dtype}")
+    if tuple(indices.shape) != (batch,):
+        raise ValueError(f"{name}: expected shape (batch,) = ({batch},), got {tuple(indices.shape)}")
+    if indices.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {indices.device}")
+    _common.unit_stride_indices(name, indices)

@@ -47,25 +47,13 @@ def _check_args(state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, st
     if state_indices is None and nslots != dims.batch:
         raise ValueError(f"state: without state_indices expected {dims.batch} slots (one per batch row), got {nslots}")
     if state_indices is not None:
-        _check_indices(state_indices, dims.batch, state.device)
+        _gated_delta_checks.check_index_tensor("state_indices", state_indices, dims.batch, state.device)
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
         raise TypeError(f"pad_slot_id: expected an int, got {type(pad_slot_id).__name__}")
     if out is not None:
         _gated_delta_checks.check_out(out, v)
     if slot_flags is not None:
         _gated_delta_checks.check_slot_flags(slot_flags, nslots, state.device)
-
-
-def _check_indices(indices, batch, device) -> None:
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"state_indices: expected a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"state_indices: expected int32 or int64, got {indices.dtype}")
-    if tuple(indices.shape) != (batch,):
-        raise ValueError(f"state_indices: expected shape (batch,) = ({batch},), got {tuple(indices.shape)}")
-    if indices.device != device:
-        raise ValueError(f"state_indices: expected a tensor on {device}, got {indices.device}")
-    _common.unit_stride_indices("state_indices", indices)
 
 
 def _check_index_values(indices, nslots, pad_slot_id) -> None:

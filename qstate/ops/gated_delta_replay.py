@@ -62,33 +62,10 @@ def _check_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out
     dims = _gated_delta_checks.check_token(q, k, v, g, beta, num_v_heads=cache.num_v_heads,
                                            head_k_dim=cache.head_k_dim, head_v_dim=cache.head_v_dim,
                                            device=cache.device, owner="the cache")
-    if dims.num_k_heads != cache.num_k_heads:
-        raise ValueError(f"k: expected HK = {cache.num_k_heads} key heads (the cache's), got shape {tuple(k.shape)}")
-    if dims.channel_gate != (cache.gate == "channel"):
-        want = "(batch, HV, K): the cache holds per-channel gates" if cache.gate == "channel" else \
-            "(batch, HV): the cache holds one gate per head"
-        raise ValueError(f"g: expected shape {want}, got {tuple(g.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != cache.input_dtype:
-            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (the ring keeps the inputs "
-                            f"as given), got {t.dtype}")
+    _gated_delta_checks.check_cache_inputs(cache, k, v, g, dims.num_k_heads, dims.channel_gate, "batch")
     _gated_delta_checks.check_scale(scale)
     _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
-    if slot_indices is None:
-        if cache.num_slots != dims.batch:
-            raise ValueError(f"cache: without slot_indices expected {dims.batch} slots (one per batch row), got "
-                             f"{cache.num_slots}")
-    else:
-        if not isinstance(slot_indices, torch.Tensor):
-            raise TypeError(f"slot_indices: expected a torch.Tensor, got {type(slot_indices).__name__}")
-        if slot_indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"slot_indices: expected int32 or int64, got {slot_indices.dtype}")
-        if tuple(slot_indices.shape) != (dims.batch,):
-            raise ValueError(f"slot_indices: expected shape (batch,) = ({dims.batch},), got "
-                             f"{tuple(slot_indices.shape)}")
-        if slot_indices.device != cache.device:
-            raise ValueError(f"slot_indices: expected a tensor on {cache.device}, got {slot_indices.device}")
-        _common.unit_stride_indices("slot_indices", slot_indices)
+    _gated_delta_checks.check_slots(slot_indices, dims.batch, cache.num_slots, cache.device, "v")
     if out is not None:
         _gated_delta_checks.check_out(out, v)
 

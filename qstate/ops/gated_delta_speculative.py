@@ -132,22 +132,6 @@ def _check_drafts(q, k, v, g, beta, *, num_v_heads: int, head_k_dim: int, head_v
     return batch, T, HK, channel
 
 
-def _check_slots(slot_indices, batch: int, num_slots: int, device, rows: str) -> None:
-    if slot_indices is None:
-        if num_slots != batch:
-            raise ValueError(f"{rows}: without slot_indices expected {num_slots} rows (one per slot), got {batch}")
-        return
-    if not isinstance(slot_indices, torch.Tensor):
-        raise TypeError(f"slot_indices: expected a torch.Tensor, got {type(slot_indices).__name__}")
-    if slot_indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_indices: expected int32 or int64, got {slot_indices.dtype}")
-    if tuple(slot_indices.shape) != (batch,):
-        raise ValueError(f"slot_indices: expected shape (batch,) = ({batch},), got {tuple(slot_indices.shape)}")
-    if slot_indices.device != device:
-        raise ValueError(f"slot_indices: expected a tensor on {device}, got {slot_indices.device}")
-    _common.unit_stride_indices("slot_indices", slot_indices)
-
-
 def _check_slot_values(slot_indices, num_slots: int) -> None:
     """Every call, CPU tensors only (``_common.check_slot_values``)."""
     if slot_indices is None:
@@ -175,19 +159,10 @@ def _check_verify_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indic
                                           device=cache.device, owner="the cache")
     if T > cache.max_draft:
         raise ValueError(f"k: expected T <= cache.max_draft = {cache.max_draft} drafts, got T = {T}")
-    if HK != cache.num_k_heads:
-        raise ValueError(f"k: expected HK = {cache.num_k_heads} key heads (the cache's), got shape {tuple(k.shape)}")
-    if channel != (cache.gate == "channel"):
-        want = "(batch, T, HV, K): the cache holds per-channel gates" if cache.gate == "channel" else \
-            "(batch, T, HV): the cache holds one gate per head"
-        raise ValueError(f"g: expected shape {want}, got {tuple(g.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != cache.input_dtype:
-            raise TypeError(f"{name}: expected the cache's input dtype {cache.input_dtype} (the ring keeps the inputs "
-                            f"as given), got {t.dtype}")
+    _gated_delta_checks.check_cache_inputs(cache, k, v, g, HK, channel, "batch, T")
     _gated_delta_checks.check_scale(scale)
     _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
-    _check_slots(slot_indices, batch, cache.num_slots, cache.device, "v")
+    _gated_delta_checks.check_slots(slot_indices, batch, cache.num_slots, cache.device, "v")
     if out is not None:
         _gated_delta_checks.check_out(out, v)
 
@@ -221,6 +196,10 @@ def _format_names(cache) -> tuple:
 
 
 # ------------------------------------------------------------------------------------ public ops
+
+# The per-draft baseline's states and their scales, as errors name their dimensions.
+_INTERMEDIATE = "(batch, T_max, HV, V, K)"
+_SCALES = "(batch, T_max, HV, V)"
 
 _VERIFY_DISPATCH = Dispatch("qstate::gated_delta_replay_verify")
 
@@ -294,7 +273,7 @@ def gated_delta_replay_commit(cache: GatedDeltaReplayCache, num_accepted: torch.
     """
     _check_cache(cache)
     batch = _check_num_accepted(num_accepted, cache.device)
-    _check_slots(slot_indices, batch, cache.num_slots, cache.device, "num_accepted")
+    _gated_delta_checks.check_slots(slot_indices, batch, cache.num_slots, cache.device, "num_accepted")
     _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
     _check_slot_values(slot_indices, cache.num_slots)
     if batch == 0:
@@ -325,38 +304,9 @@ def _baseline_format(state_format, state):
     return consts
 
 
-def _check_intermediate(intermediate, intermediate_scale, state, consts, batch: int, T: int) -> None:
-    _validate.tensor("intermediate", intermediate, ndim=5, floating=False)
-    t_max = intermediate.shape[1]
-    _validate.shape("intermediate", intermediate, (batch, t_max) + tuple(state.shape[1:]), "(batch, T_max, HV, V, K)")
-    if t_max < T:
-        raise ValueError(f"intermediate: expected T_max >= T = {T}, got {t_max}")
-    if intermediate.dtype != state.dtype:
-        raise TypeError(f"intermediate: expected the state's dtype {state.dtype}, got {intermediate.dtype}")
-    if intermediate.device != state.device:
-        raise ValueError(f"intermediate: expected device {state.device} (the state's), got {intermediate.device}")
-    if not intermediate.is_contiguous():
-        raise ValueError(f"intermediate: expected a contiguous tensor, got strides {intermediate.stride()}")
-    if consts.fmt.granularity is None:
-        if intermediate_scale is not None:
-            raise ValueError(f"intermediate_scale: state_format '{consts.fmt}' has no scale, expected None")
-        return
-    expected = (batch, t_max) + tuple(state.shape[1:3])
-    if not isinstance(intermediate_scale, torch.Tensor):
-        raise ValueError(f"intermediate_scale: expected an fp32 tensor of shape {expected}, got "
-                         f"{type(intermediate_scale).__name__}")
-    if intermediate_scale.dtype != torch.float32:
-        raise TypeError(f"intermediate_scale: expected dtype torch.float32, got {intermediate_scale.dtype}")
-    _validate.shape("intermediate_scale", intermediate_scale, expected, "(batch, T_max, HV, V)")
-    if not intermediate_scale.is_contiguous():
-        raise ValueError(f"intermediate_scale: expected a contiguous tensor, got strides {intermediate_scale.stride()}")
-
-
 def _check_state(state, state_scale, consts) -> None:
     _common.check_state(state, state_scale, consts)
-    for name, t in (("state", state), ("state_scale", state_scale)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    _common.contiguous_state(state, state_scale)
 
 
 def gated_delta_update_drafts(
@@ -393,11 +343,11 @@ def gated_delta_update_drafts(
     nslots, HV, V, K = state.shape
     batch, T, _, _ = _check_drafts(q, k, v, g, beta, num_v_heads=HV, head_k_dim=K, head_v_dim=V, device=state.device,
                                    owner="the state")
-    _check_intermediate(intermediate, intermediate_scale, state, consts, batch, T)
+    _common.check_intermediate(intermediate, intermediate_scale, state, consts, batch, T, _INTERMEDIATE, _SCALES)
     _gated_delta_checks.check_scale(scale)
     _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
     if slot_indices is not None:
-        _check_slots(slot_indices, batch, nslots, state.device, "v")
+        _gated_delta_checks.check_slots(slot_indices, batch, nslots, state.device, "v")
     elif batch > nslots:
         raise ValueError(f"v: without slot_indices row i uses slot i, so batch must be <= nslots = {nslots}, got "
                          f"{batch}")
@@ -427,9 +377,9 @@ def gated_delta_commit_drafts(
     consts = _baseline_format(state_format, state)
     _check_state(state, state_scale, consts)
     batch = _check_num_accepted(num_accepted, state.device)
-    _check_intermediate(intermediate, intermediate_scale, state, consts, batch, 1)
+    _common.check_intermediate(intermediate, intermediate_scale, state, consts, batch, 1, _INTERMEDIATE, _SCALES)
     if slot_indices is not None:
-        _check_slots(slot_indices, batch, state.shape[0], state.device, "num_accepted")
+        _gated_delta_checks.check_slots(slot_indices, batch, state.shape[0], state.device, "num_accepted")
     elif batch > state.shape[0]:
         raise ValueError(f"num_accepted: without slot_indices row i uses slot i, so batch must be <= nslots = "
                          f"{state.shape[0]}, got {batch}")

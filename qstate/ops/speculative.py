@@ -172,6 +172,10 @@ def _check_verify_args(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_i
         _replay_checks.check_out(out, x, "(batch, T, nheads, headdim)")
 
 
+# The per-draft baseline's states and their scales, as errors name their dimensions.
+_INTERMEDIATE = "(batch, T_max, nheads, headdim, dstate)"
+_SCALES = "(batch, T_max, ...) scales"
+
 # Checks once per signature; a verify's launches are not prepared (each call allocates its B·C buffer).
 _VERIFY_DISPATCH = Dispatch("qstate::replay_verify")
 
@@ -301,8 +305,8 @@ def selective_state_update_drafts(
     nslots, nheads, headdim, dstate = state.shape
     batch, T, _ = _check_draft_inputs(x, dt, A, B, C, D, z, dt_bias, nheads=nheads, headdim=headdim,
                                       dstate=dstate, ngroups=None, device=state.device)
-    _check_intermediate(intermediate, intermediate_scale, state, consts, batch, T)
-    _check_contiguous_state(state, state_scale)
+    _common.check_intermediate(intermediate, intermediate_scale, state, consts, batch, T, _INTERMEDIATE, _SCALES)
+    _common.contiguous_state(state, state_scale)
     _common.bool_flag("dt_softplus", dt_softplus)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, nslots, state.device)
@@ -331,7 +335,7 @@ def commit_drafts(
     consts = _common.resolve_format(state_format, state)
     _common.check_state(state, state_scale, consts)
     batch = intermediate.shape[0] if isinstance(intermediate, torch.Tensor) and intermediate.dim() else 0
-    _check_intermediate(intermediate, intermediate_scale, state, consts, batch, 1)
+    _common.check_intermediate(intermediate, intermediate_scale, state, consts, batch, 1, _INTERMEDIATE, _SCALES)
     _check_num_accepted(num_accepted, batch, state.device)
     if state_batch_indices is not None:
         _common.check_slot_indices(state_batch_indices, batch, state.shape[0], state.device)
@@ -339,7 +343,7 @@ def commit_drafts(
     elif batch > state.shape[0]:
         raise ValueError(f"intermediate: without state_batch_indices row i uses slot i, so batch must be <= "
                          f"nslots = {state.shape[0]}, got {batch}")
-    _check_contiguous_state(state, state_scale)
+    _common.contiguous_state(state, state_scale)
     if _host_checks(state.device) and batch:
         t_max = intermediate.shape[1]
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
@@ -348,39 +352,3 @@ def commit_drafts(
     if batch == 0:
         return
     _commit_drafts_op(state, state_scale, intermediate, intermediate_scale, num_accepted, state_batch_indices)
-
-
-def _check_intermediate(intermediate, intermediate_scale, state, consts, batch: int, T: int) -> None:
-    _validate.tensor("intermediate", intermediate, ndim=5, floating=False)
-    t_max = intermediate.shape[1]
-    _validate.shape("intermediate", intermediate, (batch, t_max) + tuple(state.shape[1:]),
-                    "(batch, T_max, nheads, headdim, dstate)")
-    if t_max < T:
-        raise ValueError(f"intermediate: expected T_max >= T = {T}, got {t_max}")
-    if intermediate.dtype != state.dtype:
-        raise TypeError(f"intermediate: expected the state's dtype {state.dtype}, got {intermediate.dtype}")
-    if intermediate.device != state.device:
-        raise ValueError(f"intermediate: expected device {state.device} (the state's), got {intermediate.device}")
-    if not intermediate.is_contiguous():
-        raise ValueError(f"intermediate: expected a contiguous tensor, got strides {intermediate.stride()}")
-    expected = consts.fmt.scale_shape((batch * t_max,) + tuple(state.shape[1:]))
-    if expected is None:
-        if intermediate_scale is not None:
-            raise ValueError(f"intermediate_scale: state_format '{consts.fmt}' has no scale, expected None")
-        return
-    expected = (batch, t_max) + tuple(expected[1:])
-    if not isinstance(intermediate_scale, torch.Tensor):
-        raise ValueError(f"intermediate_scale: expected an fp32 tensor of shape {expected}, got "
-                         f"{type(intermediate_scale).__name__}")
-    if intermediate_scale.dtype != torch.float32:
-        raise TypeError(f"intermediate_scale: expected dtype torch.float32, got {intermediate_scale.dtype}")
-    _validate.shape("intermediate_scale", intermediate_scale, expected, "(batch, T_max, ...) scales")
-    if not intermediate_scale.is_contiguous():
-        raise ValueError(f"intermediate_scale: expected a contiguous tensor, got strides {intermediate_scale.stride()}")
-
-
-def _check_contiguous_state(state, state_scale) -> None:
-    """The kernels index a slot's codes and scales as one contiguous block."""
-    for name, t in (("state", state), ("state_scale", state_scale)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")

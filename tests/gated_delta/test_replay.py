@@ -211,6 +211,8 @@ BAD = [
     (dict(beta=torch.full((2, 2), -0.5)), ValueError, "beta"),
     (dict(slot_indices=torch.tensor([0, 3])), ValueError, "slot_indices"),
     (dict(slot_indices=torch.tensor([1, 1])), ValueError, "slot_indices"),
+    (dict(slot_indices=torch.tensor([0, 2], dtype=torch.int16)), TypeError, "slot_indices"),
+    (dict(slot_indices=None), ValueError, "v"),  # 2 rows, 3 slots: rows must match slots without indices
     (dict(out=torch.zeros(2, 2, 8)), ValueError, "out"),
     (dict(scale=0.0), ValueError, "scale"),
 ]
