@@ -28,6 +28,8 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
+from .signature import TensorsLike, tensor_metas
+
 # Eager GPU calls after the first of a signature launch the compiled kernel directly (prepared,
 # or from CompiledLaunch's table); False: every call through ``kernel[grid]``.
 ENABLED = True
@@ -39,30 +41,45 @@ MAX_SIGNATURES = 4096
 class Dispatch:
     """One op's calls by signature: one :class:`DispatchEntry` per signature.
 
-    A signature holds what the op's checks read (shapes, strides, dtypes, devices, plain
-    arguments) and everything else its launches are a function of, but no tensor address and
-    no device data. ``entry(signature, check, *args)`` runs ``check(*args)`` the first time it
-    meets ``signature`` and keeps an entry if it passes (an error propagates; nothing is
-    kept); a repeat returns the entry without checking. An unhashable signature (a plain
-    argument of a type the checks reject) is checked every call and gets an entry kept nowhere.
+    A signature is a call's plain arguments (``plain``: formats, flags, pad ids, what the op's
+    checks and launches read besides tensors) and its tensors' metadata (``tensors``: shapes,
+    strides, dtypes, devices; ``signature.tensor_metas``), but no tensor address and no device
+    data. ``entry(plain, tensors, check, *args)`` runs ``check(*args)`` the first time it meets
+    a signature and keeps an entry if it passes (an error propagates; nothing is kept); a repeat
+    returns the entry without checking. A repeat of the last tensor layout seen with the same
+    ``plain`` is recognized by one C++ tensor guard (``signature.TensorsLike``) instead of the
+    key (outside ``torch.compile`` tracing, where torch has a working guard). An unhashable
+    ``plain`` (an argument of a type the checks reject) is checked every call and gets an
+    entry kept nowhere.
     """
 
     def __init__(self, name: str):
         self.name = name
         self._entries: dict = {}
+        # plain -> (TensorsLike of the last tensors seen with it, their entry)
+        self._recent: dict = {}
         _DISPATCHES.add(self)
 
-    def entry(self, signature: Hashable, check: Callable[..., None], *args) -> "DispatchEntry":
+    def entry(self, plain: Hashable, tensors: Sequence, check: Callable[..., None], *args) -> "DispatchEntry":
         try:
-            entry = self._entries.get(signature)
+            recent = self._recent.get(plain)
         except TypeError:
             check(*args)
             return DispatchEntry()
+        # torch.compile traces the key path only (it cannot trace the guard).
+        tracing = torch.compiler.is_compiling()
+        if recent is not None and not tracing and recent[0](tensors):
+            return recent[1]
+        signature = (plain, tensor_metas(tensors))
+        entry = self._entries.get(signature)
         if entry is None:
             check(*args)
             if len(self._entries) >= MAX_SIGNATURES:
-                self._entries.clear()
+                self.clear()
             entry = self._entries[signature] = DispatchEntry()
+        like = None if tracing else TensorsLike.of(tensors)
+        if like is not None:
+            self._recent[plain] = (like, entry)
         return entry
 
     def __len__(self) -> int:
@@ -70,6 +87,7 @@ class Dispatch:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._recent.clear()
 
 
 _DISPATCHES: "weakref.WeakSet[Dispatch]" = weakref.WeakSet()

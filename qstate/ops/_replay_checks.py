@@ -12,7 +12,7 @@ import torch
 from .. import _validate
 from ..cache import ReplayCache
 from ..kernels.common.launch import Dispatch
-from . import _common, _signature
+from . import _common
 
 
 def inner_contiguous(name: str, t: torch.Tensor) -> None:
@@ -75,18 +75,17 @@ def check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
             raise ValueError(f"slot_indices: expected no slot to repeat within one call, got {slot_indices.tolist()}")
 
 
-def cache_layout(cache, launched: bool = False):
-    """What the checks read of a cache (a fresh object, equal to nothing, for a non-cache); with
-    ``launched``, what the launches read of it besides its tensors' addresses: their metadata
-    (which holds the sizes, device and input dtype: the checkpoint's, ring_B's and ring_x's), the
-    formats and the seed."""
+def cache_layout(cache, launched: bool = False) -> tuple:
+    """``(plain, tensors)``: what the checks read of a cache (a fresh object, equal to nothing,
+    for a non-cache); with ``launched``, what the launches read of it besides its tensors'
+    addresses: its formats and seed, and its tensors (whose metadata holds the sizes, device and
+    input dtype: the checkpoint's, ring_B's and ring_x's)."""
     if not isinstance(cache, ReplayCache):
-        return object()
+        return object(), ()
     if launched:
-        return (cache.max_draft, _signature.metas(ring_state(cache)), cache.checkpoint_format, cache.read_format,
-                cache.seed)
+        return (cache.max_draft, cache.checkpoint_format, cache.read_format, cache.seed), ring_state(cache)
     return (cache.num_slots, cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.device,
-            cache.input_dtype, cache.max_draft)
+            cache.input_dtype, cache.max_draft), ()
 
 
 def ring_state(cache: ReplayCache) -> tuple:
@@ -110,9 +109,9 @@ def checked_ring_call(dispatch: Dispatch, check, cache, x, dt, A, B, C, D, z, dt
     the call's metadata checks with the same arguments, runs once per signature;
     :func:`cache_layout` with ``launched`` says what of the cache the signature holds), the slot
     values every call; returns ``out`` (allocated like x when None) and the entry."""
-    signature = (cache_layout(cache, launched), type(dt_softplus), dt_softplus,
-                 _signature.metas((x, dt, A, B, C, D, z, dt_bias, slot_indices, out)))
-    entry = dispatch.entry(signature, check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
+    layout, cache_tensors = cache_layout(cache, launched)
+    entry = dispatch.entry((layout, type(dt_softplus), dt_softplus),
+                           (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, *cache_tensors), check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
     if slot_indices is not None:
         check_slot_values(slot_indices, cache)
     return (out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)), entry

@@ -11,7 +11,7 @@ import torch
 from .. import _validate
 from ..kernels.common.launch import Dispatch
 from ..kernels.mamba2 import conventional as _kernel
-from . import _common, _signature
+from . import _common
 from ._register import eager, mutating_op
 
 _OP_NAME = "qstate::selective_state_update"
@@ -146,11 +146,10 @@ def selective_state_update(
     """
     # The signature (a tensor seed by its dtype: another kernel) fixes every argument of the launch
     # but the tensors' addresses and the seed (kernels/README.md#dispatch).
-    signature = (state_format, type(dt_softplus), dt_softplus, type(pad_slot_id), pad_slot_id,
-                 seed.dtype if isinstance(seed, torch.Tensor) else None,
-                 _signature.metas((state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out,
-                                   slot_flags)))
-    entry = _DISPATCH.entry(signature, _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+    plain = (state_format, type(dt_softplus), dt_softplus, type(pad_slot_id), pad_slot_id,
+             seed.dtype if isinstance(seed, torch.Tensor) else None)
+    entry = _DISPATCH.entry(plain, (state, state_scale, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out,
+                                    slot_flags), _check_args, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                             state_batch_indices, state_scale, state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
     if state_batch_indices is not None:

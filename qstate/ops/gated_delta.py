@@ -11,7 +11,7 @@ import torch
 from ..kernels.common import codec
 from ..kernels.gated_delta import conventional as _kernel
 from ..kernels.common.launch import Dispatch
-from . import _common, _gated_delta_checks, _signature
+from . import _common, _gated_delta_checks
 from ._register import mutating_op
 
 _OP_NAME = "qstate::gated_delta_update"
@@ -108,10 +108,8 @@ def gated_delta_update(
     (every element of the row's new state reaches it); nothing else writes or clears it and no
     sync reads it. Returns ``out`` (allocated like ``v`` when None).
     """
-    signature = (state_format, type(scale), scale, type(use_qk_l2norm), use_qk_l2norm, type(pad_slot_id),
-                 pad_slot_id, *map(_signature.tensor_meta, (state, state_scale, q, k, v, g, beta, state_indices, out,
-                                                    slot_flags)))
-    _DISPATCH.entry(signature, _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices,
+    plain = (state_format, type(scale), scale, type(use_qk_l2norm), use_qk_l2norm, type(pad_slot_id), pad_slot_id)
+    _DISPATCH.entry(plain, (state, state_scale, q, k, v, g, beta, state_indices, out, slot_flags), _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices,
                     state_scale, state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
     if state_indices is not None:

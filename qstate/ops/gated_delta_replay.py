@@ -11,7 +11,7 @@ import torch
 from ..gated_delta_cache import GatedDeltaReplayCache
 from ..kernels.gated_delta import replay as _kernel
 from ..kernels.common.launch import Dispatch
-from . import _common, _gated_delta_checks, _signature
+from . import _common, _gated_delta_checks
 from ._register import mutating_op
 
 _OP_NAME = "qstate::gated_delta_replay"
@@ -116,11 +116,9 @@ def gated_delta_replay(
     NaN or ±inf reaching a row's output sets ``qstate.SLOT_NONFINITE`` in its slot's flags and
     stays in that slot. Returns ``out`` (allocated like ``v`` when None).
     """
-    signature = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
-                 *map(_signature.tensor_meta, (q, k, v, g, beta, slot_indices, out)),
-                 *(() if not isinstance(cache, GatedDeltaReplayCache) else
-                   tuple(map(_signature.tensor_meta, cache.tensors().values()))))
-    _DISPATCH.entry(signature, _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
+    plain = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm)
+    cache_tensors = tuple(cache.tensors().values()) if isinstance(cache, GatedDeltaReplayCache) else ()
+    _DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *cache_tensors), _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     if slot_indices is not None:
         _check_index_values(slot_indices, cache.num_slots)
     _gated_delta_checks.check_values(g, beta)

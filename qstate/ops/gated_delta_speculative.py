@@ -25,7 +25,7 @@ import torch
 from .. import _validate
 from ..gated_delta_cache import GatedDeltaReplayCache
 from ..kernels.common.launch import Dispatch
-from . import _common, _gated_delta_checks, _signature
+from . import _common, _gated_delta_checks
 from ._register import mutating_op
 
 __all__ = ["gated_delta_replay_verify", "gated_delta_replay_commit", "gated_delta_replay_check_commits",
@@ -185,10 +185,8 @@ def _host_checks(device: torch.device) -> bool:
     return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _cache_meta(cache) -> tuple:
-    if not isinstance(cache, GatedDeltaReplayCache):
-        return ()
-    return (cache.max_draft, *map(_signature.tensor_meta, cache.tensors().values()))
+def _cache_tensors(cache) -> tuple:
+    return tuple(cache.tensors().values()) if isinstance(cache, GatedDeltaReplayCache) else ()
 
 
 def _format_names(cache) -> tuple:
@@ -237,9 +235,9 @@ def gated_delta_replay_verify(
     CPU tensors an index ``≥ num_slots``, a repeated slot, a gate ``> 0`` or a ``beta`` outside
     ``[0, 1]`` raise. Returns ``out`` (allocated like ``v`` when None).
     """
-    signature = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
-                 *map(_signature.tensor_meta, (q, k, v, g, beta, slot_indices, out)), *_cache_meta(cache))
-    _VERIFY_DISPATCH.entry(signature, _check_verify_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices,
+    plain = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
+             cache.max_draft if isinstance(cache, GatedDeltaReplayCache) else None)
+    _VERIFY_DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *_cache_tensors(cache)), _check_verify_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices,
                            out)
     _check_slot_values(slot_indices, cache.num_slots)
     _gated_delta_checks.check_values(g, beta)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from qstate.kernels.common import launch
+from qstate.kernels.common import launch, signature
 
 
 def _params(a_ptr, b_ptr, n, seed, BLOCK, FLAG=True):
@@ -196,7 +196,7 @@ def test_prepared_launches_launch_all_or_nothing(kernel):
 
 def _dispatch_call(dispatch, checks, signature, kernel):
     """An op's call: its entry, the prepared launch on a hit, else the launch, then prepared."""
-    entry = dispatch.entry(signature, checks.append, signature)
+    entry = dispatch.entry(signature, (), checks.append, signature)
     if entry.launch(*_args()):
         return "prepared"
     if entry.unprepared:
@@ -209,7 +209,7 @@ def test_one_dispatch_entry_per_signature(kernel):
     calls = [_dispatch_call(dispatch, checks, signature, kernel) for signature in ("a", "a", "a", "b", "a")]
     assert calls == ["full", "prepared", "prepared", "full", "prepared"]
     assert checks == ["a", "b"] and len(dispatch) == 2
-    assert dispatch.entry("a", checks.append, "a") is dispatch.entry("a", checks.append, "a")
+    assert dispatch.entry("a", (), checks.append, "a") is dispatch.entry("a", (), checks.append, "a")
 
 
 def test_a_failed_check_keeps_no_entry_and_raises_every_call():
@@ -220,28 +220,64 @@ def test_a_failed_check_keeps_no_entry_and_raises_every_call():
 
     for _ in range(2):
         with pytest.raises(ValueError, match="value: expected something else, got 3"):
-            dispatch.entry(("sig", 3), check, 3)
+            dispatch.entry(("sig", 3), (), check, 3)
     assert len(dispatch) == 0
     checks = []
-    dispatch.entry(("unhashable", []), checks.append, 1)
-    dispatch.entry(("unhashable", []), checks.append, 2)
+    dispatch.entry(("unhashable", []), (), checks.append, 1)
+    dispatch.entry(("unhashable", []), (), checks.append, 2)
     assert checks == [1, 2] and len(dispatch) == 0
 
 
 def test_an_entry_that_cannot_be_prepared_takes_the_full_path(kernel):
-    entry = launch.Dispatch("test::op").entry("a", lambda: None)
+    entry = launch.Dispatch("test::op").entry("a", (), lambda: None)
     entry.keep(None)
     assert not entry.unprepared and not entry.launch(*_args())
 
 
 def test_dispatch_follows_enabled_and_clear(kernel, monkeypatch):
     dispatch = launch.Dispatch("test::op")
-    entry = dispatch.entry("a", lambda: None)
+    entry = dispatch.entry("a", (), lambda: None)
     entry.keep(_prepared(kernel))
     monkeypatch.setattr(launch, "ENABLED", False)
     assert not entry.launch(*_args())
-    assert not dispatch.entry("b", lambda: None).unprepared
+    assert not dispatch.entry("b", (), lambda: None).unprepared
     monkeypatch.setattr(launch, "ENABLED", True)
     assert entry.launch(*_args())
     launch.clear_dispatches()
     assert len(dispatch) == 0
+
+
+@pytest.mark.parametrize("guards", [True, False], ids=["tensor-guard", "key-only"])
+def test_tensor_layouts_are_part_of_the_signature(monkeypatch, guards):
+    """A repeat of a layout (recognized by the tensor guard, or by the key where torch has no
+    working guard) skips the checks; another shape, stride, dtype, None in another place or a
+    non-tensor runs them, and a return to an earlier layout finds its entry again."""
+    monkeypatch.setattr(signature, "_GUARDS_WORK", guards)
+    dispatch, checks = launch.Dispatch("test::op"), []
+    base = torch.zeros(3, 4)
+
+    def call(label, *tensors):
+        return dispatch.entry(("plain",), tensors, checks.append, label)
+
+    first = call("first", base, None)
+    assert call("same layout", torch.ones(3, 4), None) is first
+    variants = {"shape": (torch.zeros(4, 4), None), "stride": (torch.zeros(4, 3).t(), None),
+                "dtype": (base.double(), None), "None moved": (None, base)}
+    entries = {label: call(label, *tensors) for label, tensors in variants.items()}
+    assert all(entry is not first for entry in entries.values())
+    assert call("first again", torch.ones(3, 4), None) is first
+    # What the guard also compares but the key does not (autograd keys): a guard miss, the same entry.
+    assert call("requires grad", torch.ones(3, 4, requires_grad=True), None) is first
+    call("not a tensor", [[0.0] * 4] * 3, None)
+    call("not a tensor", [[0.0] * 4] * 3, None)
+    assert checks == ["first", *variants, "not a tensor", "not a tensor"]
+
+
+def test_tensor_guard_probe_and_compile_tracing_fall_back_to_the_key(monkeypatch):
+    assert signature._GUARDS_WORK, "this torch's tensor guard no longer behaves as the fast path needs"
+    dispatch, checks = launch.Dispatch("test::op"), []
+    dispatch.entry("p", (torch.zeros(2),), checks.append, 1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.entry("p", (torch.zeros(2),), checks.append, 2) is dispatch.entry("p", (torch.zeros(2),),
+                                                                                      checks.append, 3)
+    assert checks == [1]
