@@ -36,6 +36,9 @@ ENABLED = True
 # Entries kept per op or kernel before the table starts again (signatures come from shapes and
 # strides, so a serving engine meets few; the bound only keeps a pathological caller finite).
 MAX_SIGNATURES = 4096
+# Layouts per plain key whose guards a call tries before the key: a serving loop alternates a few
+# batch sizes; a guard is made once per entry (about 19 µs for 22 tensors on a 2-core CPU host).
+RECENT_LAYOUTS = 4
 
 
 class Dispatch:
@@ -46,17 +49,17 @@ class Dispatch:
     strides, dtypes, devices; ``signature.tensor_metas``), but no tensor address and no device
     data. ``entry(plain, tensors, check, *args)`` runs ``check(*args)`` the first time it meets
     a signature and keeps an entry if it passes (an error propagates; nothing is kept); a repeat
-    returns the entry without checking. A repeat of the last tensor layout seen with the same
-    ``plain`` is recognized by one C++ tensor guard (``signature.TensorsLike``) instead of the
-    key (outside ``torch.compile`` tracing, where torch has a working guard). An unhashable
-    ``plain`` (an argument of a type the checks reject) is checked every call and gets an
-    entry kept nowhere.
+    returns the entry without checking. Each entry holds a C++ tensor guard of its layout
+    (``signature.TensorsLike``, made once), and a repeat of one of the last ``RECENT_LAYOUTS``
+    layouts met with the same ``plain`` is recognized by it instead of by the key (outside
+    ``torch.compile`` tracing, where torch has a working guard). An unhashable ``plain`` (an
+    argument of a type the checks reject) is checked every call and gets an entry kept nowhere.
     """
 
     def __init__(self, name: str):
         self.name = name
         self._entries: dict = {}
-        # plain -> (TensorsLike of the last tensors seen with it, their entry)
+        # plain -> its entries with a guard, the latest met first (at most RECENT_LAYOUTS)
         self._recent: dict = {}
         _DISPATCHES.add(self)
 
@@ -68,8 +71,10 @@ class Dispatch:
             return DispatchEntry()
         # torch.compile traces the key path only (it cannot trace the guard).
         tracing = torch.compiler.is_compiling()
-        if recent is not None and not tracing and recent[0](tensors):
-            return recent[1]
+        if recent is not None and not tracing:
+            for entry in recent:
+                if entry.like(tensors):
+                    return entry
         signature = (plain, tensor_metas(tensors))
         entry = self._entries.get(signature)
         if entry is None:
@@ -77,9 +82,14 @@ class Dispatch:
             if len(self._entries) >= MAX_SIGNATURES:
                 self.clear()
             entry = self._entries[signature] = DispatchEntry()
-        like = None if tracing else TensorsLike.of(tensors)
-        if like is not None:
-            self._recent[plain] = (like, entry)
+        if not tracing:
+            if entry.like is None:
+                entry.like = TensorsLike.of(tensors)
+            if entry.like is not None:
+                recent = self._recent.setdefault(plain, [])
+                if entry not in recent:
+                    recent.insert(0, entry)
+                    del recent[RECENT_LAYOUTS:]
         return entry
 
     def __len__(self) -> int:
@@ -101,14 +111,15 @@ def clear_dispatches() -> None:
 
 
 class DispatchEntry:
-    """What a signature of an op keeps: its checks passed, and ``prepared``, the launches of its
+    """What a signature of an op keeps: its checks passed; ``prepared``, the launches of its
     first eager GPU call (a :class:`PreparedLaunch` or :class:`PreparedLaunches`): None until that
-    call, False where they cannot be prepared."""
+    call, False where they cannot be prepared; and ``like``, the guard of its tensors' layout."""
 
-    __slots__ = ("prepared",)
+    __slots__ = ("prepared", "like")
 
     def __init__(self):
         self.prepared = None
+        self.like = None  # made at the signature's first call outside torch.compile tracing
 
     @property
     def unprepared(self) -> bool:

@@ -281,3 +281,22 @@ def test_tensor_guard_probe_and_compile_tracing_fall_back_to_the_key(monkeypatch
     assert dispatch.entry("p", (torch.zeros(2),), checks.append, 2) is dispatch.entry("p", (torch.zeros(2),),
                                                                                       checks.append, 3)
     assert checks == [1]
+
+
+def test_alternating_layouts_make_each_guard_once(monkeypatch):
+    """A loop over a few batch sizes meets each layout's guard, made once; more layouts than
+    RECENT_LAYOUTS still find their entries (by the key) and run no check again."""
+    made = []
+    real = signature.TensorsLike.of
+    monkeypatch.setattr(signature.TensorsLike, "of", classmethod(lambda cls, t: made.append(1) or real(t)))
+    dispatch, checks = launch.Dispatch("test::op"), []
+    sizes = range(1, launch.RECENT_LAYOUTS + 3)
+    entries = {}
+    for _ in range(3):
+        for batch in sizes:
+            entry = dispatch.entry("p", (torch.zeros(batch, 4), None), checks.append, batch)
+            assert entries.setdefault(batch, entry) is entry
+    assert checks == list(sizes) and len(made) == len(sizes)
+    for batch in sizes[-launch.RECENT_LAYOUTS:]:
+        assert dispatch.entry("p", (torch.zeros(batch, 4), None), checks.append, -1) is entries[batch]
+    assert checks == list(sizes)
