@@ -10,9 +10,12 @@ Prints µs per call (the median of five rounds; ``--clock cpu``: of the process'
 steadier than wall time on a host other work shares): ``selective_state_update`` (fp32 state)
 and its launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) and its
 launcher, ``replay_verify`` of 4 drafts (same cache formats) and its launcher,
-``replay_commit`` and its launcher. On CPU tensors ``replay_commit`` also checks the accepted
-counts on the host, which it skips on a GPU (it would sync). On a GPU host the Triton launches
-add to these (bench/README.md#eager).
+``replay_commit`` and its launcher; then the gated delta ops at batch 1 of the Qwen3.5-122B-A10B
+layer: ``gated_delta_update`` (fp32 state) and ``gated_delta_replay`` (fp32 checkpoint +
+fp8_e4m3:row read copy), which take no prepared launch (each call goes through its launcher).
+On CPU tensors ``replay_commit`` also checks the accepted counts on the host, and the gated
+delta ops their gates and betas, which they skip on a GPU (it would sync). On a GPU host the
+Triton launches add to these (bench/README.md#eager).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qstate  # noqa: E402
 from qstate import profiles  # noqa: E402
+from qstate.kernels.gated_delta import conventional as delta_conventional  # noqa: E402
+from qstate.kernels.gated_delta import replay as delta_replay  # noqa: E402
 from qstate.kernels.mamba2 import conventional, replay, speculative  # noqa: E402
 from qstate.kernels.common.launch import CompiledLaunch, StandInKernel, replace_kernel  # noqa: E402
 
-_MODULES = (conventional, replay, speculative)
+_MODULES = (conventional, replay, speculative, delta_conventional, delta_replay)
 
 
 def _launched_kernels(module) -> list[str]:
@@ -122,10 +127,26 @@ def main(argv=None) -> int:
         speculative.launch_replay_commit(accepted, None, draft_cache.cursor, draft_cache.drafts,
                                          draft_cache.commit_errors, draft_cache.slot_flags, 1, draft_cache.capacity)
 
+    delta = profiles.get("qwen3.5-122b-a10b")
+    HK, HV, K, V = delta.num_k_heads, delta.num_v_heads, delta.head_k_dim, delta.head_v_dim
+    q, k = (torch.randn(1, HK, K, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, HV, V, generator=g).bfloat16()
+    gate, beta = -torch.rand(1, HV, generator=g), torch.rand(1, HV, generator=g)
+    delta_out = torch.empty_like(v)
+    delta_state = torch.zeros(1, HV, V, K)
+    delta_cache = qstate.GatedDeltaReplayCache.allocate(1, HK, HV, K, V)
+
+    def public_delta_conventional():
+        qstate.gated_delta_update(delta_state, q, k, v, gate, beta, out=delta_out)
+
+    def public_delta_replay():
+        qstate.gated_delta_replay(delta_cache, q, k, v, gate, beta, out=delta_out)
+
     for name, fn in (("selective_state_update", public_conventional), ("  launcher", launcher_conventional),
                      ("replay_decode", public_replay), ("  launcher", launcher_replay),
                      ("replay_verify", public_verify), ("  launcher", launcher_verify),
-                     ("replay_commit", public_commit), ("  launcher", launcher_commit)):
+                     ("replay_commit", public_commit), ("  launcher", launcher_commit),
+                     ("gated_delta_update", public_delta_conventional), ("gated_delta_replay", public_delta_replay)):
         print(f"{name:24s} {_us(fn, args.calls, clock):7.1f} us", flush=True)
     return 0
 

@@ -64,7 +64,8 @@ def test_host_overhead_times_the_ops_python_without_launching():
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["selective_state_update", "launcher", "replay_decode", "launcher",
-                                                    "replay_verify", "launcher", "replay_commit", "launcher"]
+                                                    "replay_verify", "launcher", "replay_commit", "launcher",
+                                                    "gated_delta_update", "gated_delta_replay"]
     assert all(float(line.split()[-2]) > 0 for line in lines)
 
 
