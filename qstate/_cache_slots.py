@@ -34,7 +34,8 @@ def slot_index(slots: SlotsLike, num_slots: int, device: torch.device, name: str
         try:
             values = list(slots)
         except TypeError:
-            raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {slots!r}") from None
+            raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, "
+                            f"got {slots!r}") from None
         # torch.tensor(..., dtype=long) would truncate 1.5 to slot 1.
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
             raise TypeError(f"{name}: expected a flat sequence of ints, got {slots!r}")

@@ -18,11 +18,12 @@ index ``≥ nslots`` (rejected on the host for CPU tensors) outputs NaN and touc
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
 from ..common import codec, sizes
-from ..common.launch import CompiledLaunch
+from ..common.launch import CompiledLaunch, PreparedLaunch
 from .conventional_kernel import _conventional_kernel
 
 # Rows of V per tile at K = 128, and warps, by state bytes per element: head and block32 scales.
@@ -81,6 +82,27 @@ def launch(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_t
     int or None; ``seed_tensor``: a one-element device tensor read instead of ``seed``, or None;
     ``slot_flags``: int32 ``(nslots,)`` the kernel ORs ``SLOT_NONFINITE`` into, or None.
     """
+    grid, args, constexprs = _arguments(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor,
+                                        qk_scale=qk_scale, dtype_code=dtype_code, granularity=granularity,
+                                        stochastic=stochastic, qmax=qmax, emax=emax, use_qk_l2norm=use_qk_l2norm,
+                                        pad_slot_id=pad_slot_id, slot_flags=slot_flags)
+    _launch(grid, args, constexprs, state.is_cuda)
+
+
+def prepare(leading, *args, **kwargs) -> Optional[PreparedLaunch]:
+    """After ``launch(*args, **kwargs)``: that launch prepared for the op's dispatch entry
+    (``kernels/common/launch.py``), or None where it cannot be (``CompiledLaunch.prepare``).
+    ``leading``: what the op's repeat calls pass first, ``(state, state_scale or state, q, k, v,
+    g, beta, slot_indices, out, slot_flags, seed_tensor, seed)``, each tensor the one given to
+    the launcher or one it is a view of at the same address."""
+    grid, launch_args, constexprs = _arguments(*args, **kwargs)
+    return _launch.prepare(grid, launch_args, constexprs, leading, args[0].is_cuda)
+
+
+def _arguments(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor, *, qk_scale: float,
+               dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int, use_qk_l2norm: bool,
+               pad_slot_id: int, slot_flags=None) -> tuple:
+    """``(grid, args, constexprs)`` of :func:`launch`."""
     batch, num_v_heads, V = v.shape
     nslots, _, _, K = state.shape
     channel = g.dim() == 3
@@ -94,8 +116,9 @@ def launch(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_t
         scale_strides = state_scale.stride()[:3]
     else:
         scale_strides = (0, 0, 0)
-    args = (state, state if state_scale is None else state_scale, q, k, v, g, beta, slot_indices, out.view(torch.int16) if out_bf16 else out,
-            slot_flags, seed_tensor, seed, float(qk_scale), nslots, num_v_heads, K, V, num_v_heads // k.shape[1], pad_slot_id,
-            *state.stride()[:3], *scale_strides, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
-            *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
-    _launch(grid, args, constexprs, state.is_cuda)
+    args = (state, state if state_scale is None else state_scale, q, k, v, g, beta, slot_indices,
+            out.view(torch.int16) if out_bf16 else out, slot_flags, seed_tensor, seed, float(qk_scale), nslots,
+            num_v_heads, K, V, num_v_heads // k.shape[1], pad_slot_id, *state.stride()[:3], *scale_strides,
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2],
+            *out.stride()[:2])
+    return grid, args, constexprs

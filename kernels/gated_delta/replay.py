@@ -48,11 +48,12 @@ they are read, so the ring keeps exactly what the caller gave (in the cache's in
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
 from ..common import codec, pdl, sizes
-from ..common.launch import CompiledLaunch
+from ..common.launch import CompiledLaunch, PreparedLaunches
 from . import tile
 from .replay_kernels import _replay_flush_kernel, _replay_step_kernel
 
@@ -116,12 +117,47 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
             flush)
 
 
-def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_qk_l2norm: bool) -> None:
+def launch(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scale: float, use_qk_l2norm: bool) -> None:
     """Launch the step and flush kernels on validated arguments: ``cache`` a
     ``GatedDeltaReplayCache`` (contiguous tensors), ``q, k (batch, HK, K)``, ``v, out (batch,
     HV, V)`` and ``g`` with unit inner stride, ``beta (batch, HV)``, ``slot_indices (batch,)``
-    int or None. The step kernel hands each row's cursor to the flush kernel in an int32
-    ``(batch,)`` allocated per call (so a CUDA graph captures its own)."""
+    int or None, ``row_cursor`` an int32 ``(batch,)`` scratch through which the step kernel
+    hands each row's cursor to the flush kernel (the op allocates one per call, so a CUDA graph
+    captures its own)."""
+    on_gpu = cache.device.type == "cuda"
+    for compiled, grid, args, constexprs in _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor,
+                                                      qk_scale=qk_scale, use_qk_l2norm=use_qk_l2norm):
+        compiled(grid, args, constexprs, on_gpu)
+
+
+def prepare(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
+    """After ``launch(*args, **kwargs)``: its two launches prepared as one for the op's dispatch
+    entry (``kernels/common/launch.py``), or None where they cannot be
+    (``CompiledLaunch.prepare``). ``tensors``: what the op's repeat calls pass, ``(q, k, v, g,
+    beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
+    cursor, slot_flags, row_cursor)``, each the tensor given to the launcher or one it is a view
+    of at the same address."""
+    on_gpu = args[0].device.type == "cuda"
+    leading = _leading(*tensors)
+    launches = [compiled.prepare(grid, launch_args, constexprs, leading, on_gpu)
+                for compiled, grid, launch_args, constexprs in _launches(*args, **kwargs)]
+    if any(prepared is None for prepared in launches):
+        return None
+    return PreparedLaunches(launches, lambda *given: (_leading(*given),) * 2, tensors)
+
+
+def _leading(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
+             cursor, slot_flags, row_cursor) -> tuple:
+    """The tensors that open both kernels' argument lists, in order; the checkpoint stands for an
+    absent read copy and its scales (never read: constexpr flags)."""
+    return (q, k, v, g, beta, slot_indices, out, checkpoint, read if read is not None else checkpoint,
+            read_scale if read_scale is not None else checkpoint, ring_k, ring_v, ring_g, ring_beta, cursor,
+            slot_flags, row_cursor)
+
+
+def _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scale: float, use_qk_l2norm: bool):
+    """``(compiled launch, grid, args, constexprs)`` of the step kernel, then of the flush kernel
+    (the same arguments)."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]
     ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
@@ -133,14 +169,11 @@ def launch(cache, q, k, v, g, beta, slot_indices, out, *, qk_scale: float, use_q
         codec.qmax(rd_fmt) if has_read else 0.0, codec.emax(rd_fmt) if has_read else 0, g.dim() == 3, use_qk_l2norm,
         slot_indices is not None, out_bf16)
     checkpoint = codec.storage_view(cache.checkpoint, ck_fmt)
-    read = codec.storage_view(cache.read, rd_fmt) if has_read else checkpoint
-    read_scale = cache.read_scale if cache.read_scale is not None else checkpoint
+    read = codec.storage_view(cache.read, rd_fmt) if has_read else None
     out_view = out.view(torch.int16) if out_bf16 else out
-    on_gpu = cache.device.type == "cuda"
-    args = (q, k, v, g, beta, slot_indices, out_view, checkpoint, read, read_scale,
-            cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags,
-            torch.empty(batch, dtype=torch.int32, device=cache.device), float(qk_scale), cache.num_slots,
-            k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1], *q.stride()[:2], *k.stride()[:2],
-            *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2], *out.stride()[:2])
-    _step(grid, args, step, on_gpu)
-    _flush(flush_grid, args, flush, on_gpu)
+    args = (*_leading(q, k, v, g, beta, slot_indices, out_view, checkpoint, read, cache.read_scale, cache.ring_k,
+                      cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, row_cursor),
+            float(qk_scale), cache.num_slots, k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1],
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2],
+            *out.stride()[:2])
+    return (_step, grid, args, step), (_flush, flush_grid, args, flush)

@@ -111,7 +111,8 @@ def checked_ring_call(dispatch: Dispatch, check, cache, x, dt, A, B, C, D, z, dt
     values every call; returns ``out`` (allocated like x when None) and the entry."""
     layout, cache_tensors = cache_layout(cache, launched)
     entry = dispatch.entry((layout, type(dt_softplus), dt_softplus),
-                           (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, *cache_tensors), check, cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
+                           (x, dt, A, B, C, D, z, dt_bias, slot_indices, out, *cache_tensors), check, cache, x, dt,
+                           A, B, C, D, z, dt_bias, dt_softplus, slot_indices, out)
     if slot_indices is not None:
         check_slot_values(slot_indices, cache)
     return (out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)), entry

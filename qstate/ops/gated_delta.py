@@ -12,7 +12,7 @@ from ..kernels.common import codec
 from ..kernels.gated_delta import conventional as _kernel
 from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks
-from ._register import mutating_op
+from ._register import eager, mutating_op
 
 _OP_NAME = "qstate::gated_delta_update"
 
@@ -23,14 +23,24 @@ def _gated_delta_update_impl(
     state_indices: Optional[torch.Tensor], out: torch.Tensor, state_format: str, pad_slot_id: int, seed: int,
     seed_tensor: Optional[torch.Tensor], slot_flags: Optional[torch.Tensor],
 ) -> None:
+    args, kwargs = _launch_arguments(state, state_scale, q, k, v, g, beta, qk_scale, use_qk_l2norm, state_indices,
+                                     out, state_format, pad_slot_id, seed, seed_tensor, slot_flags)
+    _kernel.launch(*args, **kwargs)
+
+
+def _launch_arguments(state, state_scale, q, k, v, g, beta, qk_scale, use_qk_l2norm, state_indices, out,
+                      state_format, pad_slot_id, seed, seed_tensor, slot_flags) -> tuple[tuple, dict]:
+    """The launcher's arguments for the op's: the state's storage view and the format's constants."""
     consts = _common.format_constants(state_format)
-    _kernel.launch(codec.storage_view(state, consts.fmt), state_scale, q, k, v, g, beta, state_indices, out, seed,
-                   seed_tensor, qk_scale=qk_scale, dtype_code=consts.dtype_code, granularity=consts.granularity,
-                   stochastic=consts.stochastic, qmax=consts.qmax, emax=consts.emax, use_qk_l2norm=use_qk_l2norm,
-                   pad_slot_id=pad_slot_id, slot_flags=slot_flags)
+    return ((codec.storage_view(state, consts.fmt), state_scale, q, k, v, g, beta, state_indices, out, seed,
+             seed_tensor),
+            dict(qk_scale=qk_scale, dtype_code=consts.dtype_code, granularity=consts.granularity,
+                 stochastic=consts.stochastic, qmax=consts.qmax, emax=consts.emax, use_qk_l2norm=use_qk_l2norm,
+                 pad_slot_id=pad_slot_id, slot_flags=slot_flags))
 
 
 _gated_delta_update_op = mutating_op(_OP_NAME, _gated_delta_update_impl, ("state", "state_scale", "out", "slot_flags"))
+# Checks once per signature; an eager GPU repeat launches what its first call prepared.
 _DISPATCH = Dispatch(_OP_NAME)
 
 
@@ -108,9 +118,13 @@ def gated_delta_update(
     (every element of the row's new state reaches it); nothing else writes or clears it and no
     sync reads it. Returns ``out`` (allocated like ``v`` when None).
     """
-    plain = (state_format, type(scale), scale, type(use_qk_l2norm), use_qk_l2norm, type(pad_slot_id), pad_slot_id)
-    _DISPATCH.entry(plain, (state, state_scale, q, k, v, g, beta, state_indices, out, slot_flags), _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices,
-                    state_scale, state_format, pad_slot_id, out, slot_flags)
+    # The signature (a tensor seed by its dtype: another kernel) fixes every argument of the launch
+    # but the tensors' addresses and the seed (kernels/README.md#dispatch).
+    plain = (state_format, type(scale), scale, type(use_qk_l2norm), use_qk_l2norm, type(pad_slot_id), pad_slot_id,
+             seed.dtype if isinstance(seed, torch.Tensor) else None)
+    entry = _DISPATCH.entry(plain, (state, state_scale, q, k, v, g, beta, state_indices, out, slot_flags),
+                            _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, state_scale,
+                            state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
     if state_indices is not None:
         _check_index_values(state_indices, state.shape[0], pad_slot_id)
@@ -121,6 +135,16 @@ def gated_delta_update(
     qk_scale = state.shape[3] ** -0.5 if scale is None else float(scale)
     if v.shape[0] == 0:
         return out
-    _gated_delta_update_op(state, state_scale, q, k, v, g, beta, qk_scale, use_qk_l2norm, state_indices, out,
-                           str(consts.fmt), pad_slot_id, seed_value, seed_tensor, slot_flags)
+    # In the kernel's order: the flags and the seed tensor before the seed.
+    leading = (state, state if state_scale is None else state_scale, q, k, v, g, beta, state_indices, out, slot_flags,
+               seed_tensor, seed_value)
+    run_eagerly = eager(state)
+    if run_eagerly and entry.launch(*leading):
+        return out
+    args = (state, state_scale, q, k, v, g, beta, qk_scale, use_qk_l2norm, state_indices, out, str(consts.fmt),
+            pad_slot_id, seed_value, seed_tensor, slot_flags)
+    _gated_delta_update_op(*args)
+    if run_eagerly and entry.unprepared:
+        launch_args, launch_kwargs = _launch_arguments(*args)
+        entry.keep(_kernel.prepare(leading, *launch_args, **launch_kwargs))
     return out

@@ -12,7 +12,7 @@ from ..gated_delta_cache import GatedDeltaReplayCache
 from ..kernels.gated_delta import replay as _kernel
 from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks
-from ._register import mutating_op
+from ._register import eager, mutating_op
 
 _OP_NAME = "qstate::gated_delta_replay"
 
@@ -36,18 +36,20 @@ def _gated_delta_replay_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor, checkpoint: torch.Tensor, read: Optional[torch.Tensor],
     read_scale: Optional[torch.Tensor], ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
-    ring_beta: torch.Tensor, cursor: torch.Tensor, slot_flags: torch.Tensor, checkpoint_format: str,
-    read_format: str, qk_scale: float, use_qk_l2norm: bool,
+    ring_beta: torch.Tensor, cursor: torch.Tensor, slot_flags: torch.Tensor, row_cursor: torch.Tensor,
+    checkpoint_format: str, read_format: str, qk_scale: float, use_qk_l2norm: bool,
 ) -> None:
     cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
                        checkpoint_format, read_format)
-    _kernel.launch(cache, q, k, v, g, beta, slot_indices, out, qk_scale=qk_scale, use_qk_l2norm=use_qk_l2norm)
+    _kernel.launch(cache, q, k, v, g, beta, slot_indices, out, row_cursor, qk_scale=qk_scale,
+                   use_qk_l2norm=use_qk_l2norm)
 
 
 _gated_delta_replay_op = mutating_op(
     _OP_NAME, _gated_delta_replay_impl,
     ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor",
-     "slot_flags"))
+     "slot_flags", "row_cursor"))
+# Checks once per signature; an eager GPU repeat launches what its first call prepared.
 _DISPATCH = Dispatch(_OP_NAME)
 
 
@@ -116,9 +118,14 @@ def gated_delta_replay(
     NaN or ±inf reaching a row's output sets ``qstate.SLOT_NONFINITE`` in its slot's flags and
     stays in that slot. Returns ``out`` (allocated like ``v`` when None).
     """
-    plain = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm)
-    cache_tensors = tuple(cache.tensors().values()) if isinstance(cache, GatedDeltaReplayCache) else ()
-    _DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *cache_tensors), _check_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
+    # The signature fixes every argument of the two launches but the tensors' addresses
+    # (kernels/README.md#dispatch): the cache's formats and ring room, and its tensors' layouts.
+    is_cache = isinstance(cache, GatedDeltaReplayCache)
+    plain = ((cache.checkpoint_format, cache.read_format, cache.max_draft) if is_cache else object(), type(scale),
+             scale, type(use_qk_l2norm), use_qk_l2norm)
+    cache_tensors = tuple(cache.tensors().values()) if is_cache else ()
+    entry = _DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *cache_tensors), _check_args, cache, q, k,
+                            v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     if slot_indices is not None:
         _check_index_values(slot_indices, cache.num_slots)
     _gated_delta_checks.check_values(g, beta)
@@ -126,9 +133,16 @@ def gated_delta_replay(
         out = torch.empty_like(v)
     if v.shape[0] == 0:
         return out
+    row_cursor = torch.empty(v.shape[0], dtype=torch.int32, device=cache.device)
+    tensors = (q, k, v, g, beta, slot_indices, out, cache.checkpoint, cache.read, cache.read_scale, cache.ring_k,
+               cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, row_cursor)
+    run_eagerly = eager(v)
+    if run_eagerly and entry.launch(*tensors):
+        return out
     qk_scale = cache.head_k_dim ** -0.5 if scale is None else float(scale)
-    _gated_delta_replay_op(q, k, v, g, beta, slot_indices, out, cache.checkpoint, cache.read, cache.read_scale,
-                           cache.ring_k, cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor,
-                           cache.slot_flags, str(cache.checkpoint_format), "" if cache.read_format is None else str(cache.read_format),
-                           qk_scale, use_qk_l2norm)
+    _gated_delta_replay_op(*tensors, str(cache.checkpoint_format),
+                           "" if cache.read_format is None else str(cache.read_format), qk_scale, use_qk_l2norm)
+    if run_eagerly and entry.unprepared:
+        entry.keep(_kernel.prepare(tensors, cache, q, k, v, g, beta, slot_indices, out, row_cursor,
+                                   qk_scale=qk_scale, use_qk_l2norm=use_qk_l2norm))
     return out

@@ -235,10 +235,11 @@ def gated_delta_replay_verify(
     CPU tensors an index ``≥ num_slots``, a repeated slot, a gate ``> 0`` or a ``beta`` outside
     ``[0, 1]`` raise. Returns ``out`` (allocated like ``v`` when None).
     """
-    plain = (id(cache), type(scale), scale, type(use_qk_l2norm), use_qk_l2norm,
-             cache.max_draft if isinstance(cache, GatedDeltaReplayCache) else None)
-    _VERIFY_DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *_cache_tensors(cache)), _check_verify_args, cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices,
-                           out)
+    plain = ((cache.checkpoint_format, cache.read_format, cache.max_draft)
+             if isinstance(cache, GatedDeltaReplayCache) else object(), type(scale), scale, type(use_qk_l2norm),
+             use_qk_l2norm)
+    _VERIFY_DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *_cache_tensors(cache)), _check_verify_args,
+                           cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     _check_slot_values(slot_indices, cache.num_slots)
     _gated_delta_checks.check_values(g, beta)
     if out is None:

@@ -156,3 +156,53 @@ def test_bad_input_names_the_argument_and_changes_nothing(overrides, exc, name):
     with pytest.raises(exc, match=f"^{name}:"):
         qstate.gated_delta_update(**args)
     assert torch.equal(args["state"], before)
+
+
+# ---------------------------------------------------------------------------- prepared eager launches
+
+
+def _eager_call(seed, state):
+    """One step over an fp8_e4m3:row state with bf16 inputs and output, slot indices with a
+    padding row and a seed given."""
+    args = token(3, 1, 2, 32, 16, seed=seed, dtype=torch.bfloat16)
+    return dict(args, state_indices=torch.tensor([2, -1, 0]), state_scale=state.scale, state_format=state.fmt,
+                out=torch.empty(3, 2, 16, dtype=torch.bfloat16), seed=seed)
+
+
+def _launched_as(entry):
+    """"bind", "compiled" (the launcher's uint8 view of the fp8 state) or "prepared" (the op's
+    fp8 tensor itself)."""
+    kind, _, args = entry[:3]
+    return "prepared" if kind == "compiled" and args[0].dtype == torch.float8_e4m3fn else kind
+
+
+def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
+    """Second call of a signature, other inputs, state and seed: the compiled launcher, no bind,
+    with exactly the arguments the launcher computes for that call (tensors by address)."""
+    from qstate.kernels.common import codec
+    from qstate.kernels.gated_delta import conventional
+
+    log = stand_in_kernels(conventional)
+    fmt = formats.StateFormat.parse("fp8_e4m3:row")
+    states = [stored_state(fmt, (4, 2, 16, 32), seed) for seed in range(2)]
+    qstate.gated_delta_update(states[0].data, **_eager_call(0, states[0]))
+    second = _eager_call(1, states[1])
+    qstate.gated_delta_update(states[1].data, **second)
+    assert [(_launched_as(entry), entry[1]) for entry in log] == [("bind", "_conventional_kernel"),
+                                                                  ("prepared", "_conventional_kernel")]
+    s = second
+    grid, args, constexprs = conventional._arguments(
+        states[1].data.view(torch.uint8), states[1].scale, s["q"], s["k"], s["v"], s["g"], s["beta"],
+        s["state_indices"], s["out"], 1, None, qk_scale=32 ** -0.5, dtype_code=codec.dtype_code(fmt),
+        granularity=codec.granularity_code(fmt), stochastic=False, qmax=codec.qmax(fmt), emax=codec.emax(fmt),
+        use_qk_l2norm=True, pad_slot_id=-1)
+    assert log[0][3] == constexprs
+    launched = log[1][2]
+    for got, want in zip(launched, args):
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
+        else:
+            assert got == want
+    parameters = conventional._launch.kernel.signature.parameters
+    trailing = tuple(constexprs.get(name, parameters[name].default) for name in list(parameters)[len(args):])
+    assert launched[len(args):] == trailing

@@ -272,3 +272,82 @@ def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, chec
         _, out, expected = tracker.step(inp, [1, 0])
         assert rel_rms(out, expected) < bound(32, ring_len), f"step {t}"
         check_read_copy(cache)
+
+
+# ---------------------------------------------------------------------------- prepared eager launches
+
+
+def _eager_call(seed, batch, num_slots):
+    """One step's arguments with bf16 inputs and output and slot indices with a padding row."""
+    args = token(batch, 1, 2, 32, 16, seed=seed, dtype=torch.bfloat16)
+    slots = torch.arange(batch) % num_slots
+    slots[1] = -1
+    return dict(args, slot_indices=slots, out=torch.empty(batch, 2, 16, dtype=torch.bfloat16))
+
+
+def _launched_as(entry):
+    """How a logged launch was made: "bind", "compiled" (CompiledLaunch's table: the launcher's
+    storage view of the fp8 read copy) or "prepared" (the cache's fp8 tensor itself)."""
+    kind, _, args = entry[:3]
+    return "prepared" if kind == "compiled" and args[8].dtype == torch.float8_e4m3fn else kind
+
+
+def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
+    """Second call of a signature, other inputs and another cache of the same layout: the step
+    and flush kernels' compiled launchers, no bind, with exactly the arguments the launcher
+    computes for that call (tensors by address, the call's own row_cursor)."""
+    from qstate.kernels.gated_delta import replay
+
+    log = stand_in_kernels(replay)
+    caches = [allocate(4, channel=False, ring_len=4, read="fp8_e4m3:row", input_dtype=torch.bfloat16)
+              for _ in range(2)]
+    qstate.gated_delta_replay(caches[0], **_eager_call(0, 3, 4))
+    second = _eager_call(1, 3, 4)
+    qstate.gated_delta_replay(caches[1], **second)
+    names = ["_replay_step_kernel", "_replay_flush_kernel"]
+    assert [(_launched_as(entry), entry[1]) for entry in log] == [("bind", n) for n in names] + [
+        ("prepared", n) for n in names]
+    row_cursor = log[2][2][16]
+    assert log[3][2][16] is row_cursor and row_cursor is not log[0][2][16]
+    s = second
+    expected = replay._launches(caches[1], s["q"], s["k"], s["v"], s["g"], s["beta"], s["slot_indices"], s["out"],
+                                row_cursor, qk_scale=32 ** -0.5, use_qk_l2norm=True)
+    for bound, launched, (launch, _, args, constexprs) in zip(log[:2], log[2:], expected):
+        assert bound[3] == constexprs
+        for got, want in zip(launched[2], args):
+            if isinstance(want, torch.Tensor):
+                assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
+            else:
+                assert got == want
+        parameters = launch.kernel.signature.parameters
+        trailing = tuple(constexprs.get(name, parameters[name].default) for name in list(parameters)[len(args):])
+        assert launched[2][len(args):] == trailing
+
+
+def test_an_eager_repeat_takes_the_full_path_where_it_must(stand_in_kernels):
+    """Another scale is another signature (its launches are bound again); a read copy at another
+    16-byte alignment has the signature's layout but is another compiled kernel, so its calls
+    launch from CompiledLaunch's table, and the aligned cache's calls still take the prepared
+    launches."""
+    import dataclasses
+
+    from qstate.kernels.gated_delta import replay
+
+    log = stand_in_kernels(replay)
+    cache = allocate(4, channel=False, ring_len=4, read="fp8_e4m3:row", input_dtype=torch.bfloat16)
+
+    def call(seed, cache=cache, **overrides):
+        start = len(log)
+        qstate.gated_delta_replay(cache, **{**_eager_call(seed, 3, 4), **overrides})
+        return [_launched_as(entry) for entry in log[start:]]
+
+    assert call(0) == ["bind", "bind"]
+    assert call(1) == ["prepared", "prepared"]
+    assert call(2, scale=0.25) == ["bind", "bind"]
+    assert call(3, scale=0.25) == ["prepared", "prepared"]
+    shifted = torch.empty(cache.read.numel() + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(
+        cache.read.shape)  # 1 byte off
+    moved = dataclasses.replace(cache, read=shifted)
+    assert call(4, cache=moved) == ["bind", "bind"]
+    assert call(5, cache=moved) == ["compiled", "compiled"]
+    assert call(6) == ["prepared", "prepared"]
