@@ -20,6 +20,7 @@ from qstate.reference import gated_delta as reference
 
 from helpers.conventional import kernel_noise
 from helpers.gated_delta import bits_of, rel_rms, stored_state, token, tokens
+from helpers.launches import assert_launched_as_computed
 
 SCALED_FORMATS = [f"{d}:{g}" for d in ("int8", "fp8_e4m3", "fp8_e5m2") for g in ("row", "head", "block32")]
 ALL_FORMATS = ["fp32", "bf16", "fp16", "bf16+sr", "fp16+sr", *SCALED_FORMATS, "int8:row+sr", "fp8_e4m3:block32+sr"]
@@ -197,12 +198,4 @@ def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
         granularity=codec.granularity_code(fmt), stochastic=False, qmax=codec.qmax(fmt), emax=codec.emax(fmt),
         use_qk_l2norm=True, pad_slot_id=-1)
     assert log[0][3] == constexprs
-    launched = log[1][2]
-    for got, want in zip(launched, args):
-        if isinstance(want, torch.Tensor):
-            assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
-        else:
-            assert got == want
-    parameters = conventional._launch.kernel.signature.parameters
-    trailing = tuple(constexprs.get(name, parameters[name].default) for name in list(parameters)[len(args):])
-    assert launched[len(args):] == trailing
+    assert_launched_as_computed(log[1][2], args, constexprs, conventional._launch.kernel.signature.parameters)

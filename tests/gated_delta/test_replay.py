@@ -19,6 +19,7 @@ from qstate import formats
 from qstate.reference import gated_delta as reference
 
 from helpers.gated_delta import bits_of, rel_rms, token, tokens
+from helpers.launches import assert_launched_as_computed
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -314,14 +315,7 @@ def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
                                 row_cursor, qk_scale=32 ** -0.5, use_qk_l2norm=True)
     for bound, launched, (launch, _, args, constexprs) in zip(log[:2], log[2:], expected):
         assert bound[3] == constexprs
-        for got, want in zip(launched[2], args):
-            if isinstance(want, torch.Tensor):
-                assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
-            else:
-                assert got == want
-        parameters = launch.kernel.signature.parameters
-        trailing = tuple(constexprs.get(name, parameters[name].default) for name in list(parameters)[len(args):])
-        assert launched[2][len(args):] == trailing
+        assert_launched_as_computed(launched[2], args, constexprs, launch.kernel.signature.parameters)
 
 
 def test_an_eager_repeat_takes_the_full_path_where_it_must(stand_in_kernels):

@@ -1,6 +1,8 @@
 """Helpers shared by test files (no test file imports another): ``conventional`` and ``replay``
-for the Mamba-2 kernel tests, ``hf_tiny`` and ``hf_tiny_delta`` for tiny transformers models, and ``ci_examples``. Importable as
-``helpers`` from every test folder (pytest puts ``tests/``, the conftest's folder, on the path)."""
+for the Mamba-2 kernel tests, ``gated_delta`` for the gated delta ones, ``launches`` for the
+launches a stand-in kernel logged, ``hf_tiny`` and ``hf_tiny_delta`` for tiny transformers
+models, and ``ci_examples``. Importable as ``helpers`` from every test folder (pytest puts
+``tests/``, the conftest's folder, on the path)."""
 
 import os
 

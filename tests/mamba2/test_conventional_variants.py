@@ -17,6 +17,7 @@ from qstate.kernels.mamba2 import conventional
 
 from helpers.conventional import (bits_of, check_padding_and_untouched_slots, kernel_noise, mirror_step, numpy_exp,
                                   random_inputs, rel_rms, stored_state)
+from helpers.launches import assert_launched_as_computed
 
 # Kernel variants (kernels/mamba2/conventional.py, Variant): each must give the default path's bits.
 VARIANTS = {
@@ -291,16 +292,8 @@ def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
         dtype_code=codec.dtype_code(fmt), granularity=codec.granularity_code(fmt), stochastic=False,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=3)
     assert expected_constexprs == constexprs
-    parameters = inspect.signature(conventional._conventional_kernel.fn).parameters
-    assert len(launched) == len(parameters)
-    for got, want in zip(launched, expected):
-        if isinstance(want, torch.Tensor):
-            assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
-        else:
-            assert got == want
-    trailing = launched[len(expected):]
-    names = list(parameters)[len(expected):]
-    assert trailing == tuple(constexprs.get(name, parameters[name].default) for name in names)
+    assert_launched_as_computed(launched, expected, constexprs,
+                                inspect.signature(conventional._conventional_kernel.fn).parameters)
 
 
 def test_an_eager_repeat_takes_the_full_path_where_it_must(stand_in_kernels):

@@ -13,6 +13,7 @@ from qstate.cache import ReplayCache
 from qstate.kernels.mamba2 import replay as replay_kernels
 from qstate.ops.replay import replay_decode
 
+from helpers.launches import assert_launched_as_computed
 from helpers.replay import make_inputs, new_cache, step_args
 
 
@@ -178,14 +179,7 @@ def test_an_eager_decode_repeat_launches_what_the_full_path_would(stand_in_kerne
         read_format=c.read_format, seed=c.seed)
     for bound, launched, (launch, _, args, constexprs) in zip(log[:2], log[2:], expected):
         assert bound[3] == constexprs
-        for got, want in zip(launched[2], args):
-            if isinstance(want, torch.Tensor):
-                assert isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()
-            else:
-                assert got == want
-        parameters = launch.kernel.signature.parameters
-        trailing = tuple(constexprs.get(name, parameters[name].default) for name in list(parameters)[len(args):])
-        assert launched[2][len(args):] == trailing
+        assert_launched_as_computed(launched[2], args, constexprs, launch.kernel.signature.parameters)
 
 
 def test_an_eager_decode_repeat_takes_the_full_path_where_it_must(stand_in_kernels):
