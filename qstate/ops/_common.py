@@ -15,6 +15,7 @@ from .. import _validate
 from ..cache import SEED_LIMIT
 from ..formats import StateFormat, as_format
 from ..kernels.common import codec
+from ._register import host_values
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -244,7 +245,7 @@ def check_slot_values(indices: torch.Tensor, nslots: int, pad_slot_id: int = -1)
     (negative or ``pad_slot_id``) aside, for a CPU tensor (a value check: it runs on every call,
     not once per signature). A GPU tensor is not read, which would sync: there both rules are
     the caller's contract."""
-    if indices.device.type != "cpu" or not indices.numel() or torch.compiler.is_compiling():
+    if not indices.numel() or not host_values(indices.device):
         return
     live = indices[(indices >= 0) & (indices != pad_slot_id)]
     past = live[live >= nslots]

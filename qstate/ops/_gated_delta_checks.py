@@ -14,6 +14,7 @@ import torch
 
 from .. import _validate
 from . import _common
+from ._register import host_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ def check_scale(scale) -> Optional[float]:
 
 def check_values(g: torch.Tensor, beta: torch.Tensor) -> None:
     """Gates in log space ``<= 0`` and ``beta`` in ``[0, 1]``, for CPU tensors (every call)."""
-    if g.device.type != "cpu" or torch.compiler.is_compiling():
+    if not host_values(g.device):
         return
     if g.numel() and not bool((g <= 0).all()):
         bad = g[~(g <= 0)]

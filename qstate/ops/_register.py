@@ -40,6 +40,13 @@ def mutating_op(name: str, impl: Callable[..., None], mutates_args: Sequence[str
     return call
 
 
+def host_values(device: torch.device) -> bool:
+    """Whether a call's value checks read its tensors on the host: CPU tensors only (reading a
+    GPU tensor would sync), and not while ``torch.compile`` traces or a dispatch mode
+    (``FakeTensorMode``) fakes the call (its tensors hold no values)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
 def eager(first: torch.Tensor) -> bool:
     """Whether a call whose first tensor is ``first`` runs the implementation itself: nothing is
     tracing or faking it and its tensors are not meta tensors."""

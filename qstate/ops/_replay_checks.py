@@ -13,6 +13,7 @@ from .. import _validate
 from ..cache import ReplayCache
 from ..kernels.common.launch import Dispatch
 from . import _common
+from ._register import host_values
 
 
 def inner_contiguous(name: str, t: torch.Tensor) -> None:
@@ -63,7 +64,7 @@ def check_slot_layout(slot_indices, batch: int, cache: ReplayCache, rows: str = 
 def check_slot_values(slot_indices: torch.Tensor, cache: ReplayCache) -> None:
     """Values of CPU slot indices: below num_slots, none repeated (padding aside). A value
     check, so it runs on every call; a GPU tensor is not read (that would sync the host)."""
-    if slot_indices.device.type != "cpu" or torch.compiler.is_compiling():
+    if not host_values(slot_indices.device):
         return
     live = slot_indices[slot_indices >= 0]
     if live.numel():

@@ -26,7 +26,7 @@ from .. import _validate
 from ..gated_delta_cache import GatedDeltaReplayCache
 from ..kernels.common.launch import Dispatch
 from . import _common, _gated_delta_checks
-from ._register import mutating_op
+from ._register import host_values, mutating_op
 
 __all__ = ["gated_delta_replay_verify", "gated_delta_replay_commit", "gated_delta_replay_check_commits",
            "gated_delta_update_drafts", "gated_delta_commit_drafts"]
@@ -180,11 +180,6 @@ def _check_num_accepted(num_accepted, device) -> int:
     return num_accepted.shape[0]
 
 
-def _host_checks(device: torch.device) -> bool:
-    """Values are checked on the host for CPU tensors only: reading a GPU tensor would sync."""
-    return device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 def _cache_tensors(cache) -> tuple:
     return tuple(cache.tensors().values()) if isinstance(cache, GatedDeltaReplayCache) else ()
 
@@ -277,7 +272,7 @@ def gated_delta_replay_commit(cache: GatedDeltaReplayCache, num_accepted: torch.
     _check_slot_values(slot_indices, cache.num_slots)
     if batch == 0:
         return
-    if _host_checks(cache.device):
+    if host_values(cache.device):
         _common.check_commit_counts(cache.drafts, num_accepted, slot_indices, "gated_delta_replay_verify")
     _commit_op(num_accepted, slot_indices, cache.checkpoint, cache.read, cache.read_scale, cache.ring_k, cache.ring_v,
                cache.ring_g, cache.ring_beta, cache.cursor, cache.drafts, cache.commit_errors, cache.slot_flags,
@@ -383,7 +378,7 @@ def gated_delta_commit_drafts(
         raise ValueError(f"num_accepted: without slot_indices row i uses slot i, so batch must be <= nslots = "
                          f"{state.shape[0]}, got {batch}")
     _check_slot_values(slot_indices, state.shape[0])
-    if _host_checks(state.device) and batch:
+    if host_values(state.device) and batch:
         t_max = intermediate.shape[1]
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
         if lo < 0 or hi > t_max:

@@ -24,7 +24,7 @@ from .. import _validate
 from ..cache import ReplayCache
 from ..kernels.common.launch import Dispatch
 from . import _common, _replay_checks
-from ._register import mutating_op
+from ._register import host_values, mutating_op
 
 __all__ = ["replay_verify", "replay_commit", "replay_check_commits", "selective_state_update_drafts",
            "commit_drafts"]
@@ -148,11 +148,6 @@ def _check_num_accepted(num_accepted, batch: int, device: torch.device) -> None:
         raise ValueError(f"num_accepted: expected a contiguous tensor, got strides {num_accepted.stride()}")
 
 
-def _host_checks(device: torch.device) -> bool:
-    """Values are checked on the host for CPU tensors only: reading a GPU tensor would sync."""
-    return device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 # ------------------------------------------------------------------------------------ public ops
 
 
@@ -251,7 +246,7 @@ def replay_commit(cache: ReplayCache, num_accepted: torch.Tensor, slot_indices: 
     _replay_checks.check_slot_indices(slot_indices, batch, cache, rows="num_accepted")
     if batch == 0:
         return
-    if _host_checks(cache.device):
+    if host_values(cache.device):
         _common.check_commit_counts(cache.drafts, num_accepted, slot_indices, "replay_verify")
     _replay_commit_op(num_accepted, slot_indices, cache.cursor, cache.drafts, cache.commit_errors, cache.slot_flags,
                       cache.capacity)
@@ -344,7 +339,7 @@ def commit_drafts(
         raise ValueError(f"intermediate: without state_batch_indices row i uses slot i, so batch must be <= "
                          f"nslots = {state.shape[0]}, got {batch}")
     _common.contiguous_state(state, state_scale)
-    if _host_checks(state.device) and batch:
+    if host_values(state.device) and batch:
         t_max = intermediate.shape[1]
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
         if lo < 0 or hi > t_max:

@@ -257,6 +257,25 @@ def test_torch_compile_through_the_custom_ops():
             assert torch.equal(getattr(traced, name), getattr(eager, name)), name
 
 
+def test_fake_tensors_go_through_the_fake_impls_without_reading_values():
+    """Under ``FakeTensorMode`` (CPU fake tensors hold no values) the value checks of slot
+    indices, gates and betas stand aside and both ops return outputs of the right shape."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    real = allocate(3, channel=False, ring_len=4, read="fp8_e4m3:row")
+    fake = lambda t: None if t is None else mode.from_tensor(t)  # noqa: E731
+    cache = dataclasses.replace(real, **{name: fake(t) for name, t in real.tensors().items()})
+    inputs = {name: fake(t) for name, t in token(2, 1, 2, 32, 16).items()}
+    state, slots = fake(torch.zeros(3, 2, 16, 32)), fake(torch.tensor([2, 0]))
+    with mode:
+        out = qstate.gated_delta_replay(cache, **inputs, slot_indices=slots)
+        conventional = qstate.gated_delta_update(state, **inputs, state_indices=slots)
+    assert out.shape == conventional.shape == (2, 2, 16)
+
+
 @pytest.mark.parametrize("channel,ring_len,checkpoint,read,prefetch", [(*CASES[1], True), (*CASES[2], False)])
 def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, checkpoint, read, prefetch):
     """The GPU's launch shape under the interpreter: V split over programs, each sweeping the ring
