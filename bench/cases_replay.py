@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from qstate import reference
+from qstate._cache_slots import slot_state_bytes
 from qstate.cache import ReplayCache
 from qstate.formats import dequantize, quantize
 from qstate.kernels.mamba2.replay import launch_replay_decode
@@ -67,10 +68,6 @@ def step(cache, inp, out, **kernel):
     launch_replay_decode(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True,
                          None, out, *(t[k] for k in _CACHE_FIELDS), checkpoint_format=cache.checkpoint_format,
                          read_format=cache.read_format, seed=cache.seed, **kernel)
-
-
-def _slot_state_bytes(data, scale):
-    return data[0].numel() * data.element_size() + (0 if scale is None else scale[0].numel() * 4)
 
 
 # ---------------------------------------------------------------------------- correctness
@@ -294,8 +291,8 @@ def single_step_case(batch, checkpoint, read, ring_len, kernel_name, which, devi
     flushing (cursor L − 1: checkpoint read, checkpoint and read copy written, L ring tokens read)."""
     probe = _probe(checkpoint, read, ring_len, layer)
     kernel = STEP_KERNELS[kernel_name] if kernel is None else kernel
-    ck = _slot_state_bytes(probe.checkpoint, probe.checkpoint_scale)
-    rd = ck if probe.read is None else _slot_state_bytes(probe.read, probe.read_scale)
+    ck = slot_state_bytes(probe.checkpoint, probe.checkpoint_scale)
+    rd = ck if probe.read is None else slot_state_bytes(probe.read, probe.read_scale)
     per_token = (layer["nheads"] * (layer["headdim"] * probe.ring_x.element_size() + 4)
                  + layer["ngroups"] * layer["dstate"] * probe.ring_B.element_size())
     if which == "normal":

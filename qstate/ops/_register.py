@@ -8,7 +8,7 @@ something may be tracing or faking the call: while ``torch.compile`` traces, und
 tensors. Otherwise (eager calls, and CUDA-graph capture, which records the same launches) it
 calls ``impl`` itself, skipping the dispatcher's handling of the arguments: with kernel
 launches stubbed out on a 2-core CPU host, ``replay_decode``'s 25 arguments through the
-dispatcher took about 210 µs a call, the whole public call without it about 11
+dispatcher took about 210 µs a call, the whole public call without it about 10
 (``bench/host_overhead.py``). An eager GPU call whose signature has been launched before does
 not come here: it launches what its op's dispatch entry prepared (kernels/README.md#dispatch).
 """
