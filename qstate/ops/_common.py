@@ -240,20 +240,21 @@ def contiguous_state(state: torch.Tensor, state_scale: Optional[torch.Tensor]) -
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
-def check_slot_values(indices: torch.Tensor, nslots: int, pad_slot_id: int = -1) -> None:
+def check_slot_values(indices: Optional[torch.Tensor], nslots: int, pad_slot_id: int = -1,
+                      name: str = "state_batch_indices") -> None:
     """Indices ``< nslots`` and no slot twice (two rows would race on one state), padding
     (negative or ``pad_slot_id``) aside, for a CPU tensor (a value check: it runs on every call,
-    not once per signature). A GPU tensor is not read, which would sync: there both rules are
-    the caller's contract."""
-    if not indices.numel() or not host_values(indices.device):
+    not once per signature); ``name`` is the argument's in errors. None, or a GPU tensor, is not
+    read (that would sync): there both rules are the caller's contract."""
+    if indices is None or not indices.numel() or not host_values(indices.device):
         return
     live = indices[(indices >= 0) & (indices != pad_slot_id)]
     past = live[live >= nslots]
     if past.numel():
-        raise ValueError(f"state_batch_indices: expected indices < nslots = {nslots} (negative or pad_slot_id = "
+        raise ValueError(f"{name}: expected indices < nslots = {nslots} (negative or pad_slot_id = "
                          f"{pad_slot_id}: padding), got {int(past.max())}")
     if torch.unique(live).numel() != live.numel():
-        raise ValueError(f"state_batch_indices: expected no slot to repeat within one call, got {indices.tolist()}")
+        raise ValueError(f"{name}: expected no slot to repeat within one call, got {indices.tolist()}")
 
 
 def check_out(out: torch.Tensor, x: torch.Tensor) -> None:

@@ -66,13 +66,6 @@ def _check_args(state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, st
         _gated_delta_checks.check_slot_flags(slot_flags, nslots, state.device)
 
 
-def _check_index_values(indices, nslots, pad_slot_id) -> None:
-    try:
-        _common.check_slot_values(indices, nslots, pad_slot_id)
-    except ValueError as error:
-        raise ValueError(str(error).replace("state_batch_indices", "state_indices", 1)) from None
-
-
 def gated_delta_update(
     state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
     scale: Optional[float] = None, use_qk_l2norm: bool = True, state_indices: Optional[torch.Tensor] = None,
@@ -126,8 +119,7 @@ def gated_delta_update(
                             _check_args, state, q, k, v, g, beta, scale, use_qk_l2norm, state_indices, state_scale,
                             state_format, pad_slot_id, out, slot_flags)
     consts = _common.resolve_format(state_format, state)
-    if state_indices is not None:
-        _check_index_values(state_indices, state.shape[0], pad_slot_id)
+    _common.check_slot_values(state_indices, state.shape[0], pad_slot_id, "state_indices")
     _gated_delta_checks.check_values(g, beta)
     seed_value, seed_tensor = _common.resolve_seed(seed, consts.stochastic, state.device)
     if out is None:

@@ -72,13 +72,6 @@ def _check_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out
         _gated_delta_checks.check_out(out, v)
 
 
-def _check_index_values(indices, num_slots) -> None:
-    try:
-        _common.check_slot_values(indices, num_slots)
-    except ValueError as error:
-        raise ValueError(str(error).replace("state_batch_indices", "slot_indices", 1)) from None
-
-
 def gated_delta_replay(
     cache: GatedDeltaReplayCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     beta: torch.Tensor, *, scale: Optional[float] = None, use_qk_l2norm: bool = True,
@@ -126,8 +119,7 @@ def gated_delta_replay(
     cache_tensors = tuple(cache.tensors().values()) if is_cache else ()
     entry = _DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *cache_tensors), _check_args, cache, q, k,
                             v, g, beta, scale, use_qk_l2norm, slot_indices, out)
-    if slot_indices is not None:
-        _check_index_values(slot_indices, cache.num_slots)
+    _common.check_slot_values(slot_indices, cache.num_slots, name="slot_indices")
     _gated_delta_checks.check_values(g, beta)
     if out is None:
         out = torch.empty_like(v)

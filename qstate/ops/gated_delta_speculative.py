@@ -132,16 +132,6 @@ def _check_drafts(q, k, v, g, beta, *, num_v_heads: int, head_k_dim: int, head_v
     return batch, T, HK, channel
 
 
-def _check_slot_values(slot_indices, num_slots: int) -> None:
-    """Every call, CPU tensors only (``_common.check_slot_values``)."""
-    if slot_indices is None:
-        return
-    try:
-        _common.check_slot_values(slot_indices, num_slots)
-    except ValueError as error:
-        raise ValueError(str(error).replace("state_batch_indices", "slot_indices", 1)) from None
-
-
 def _check_cache(cache) -> None:
     if not isinstance(cache, GatedDeltaReplayCache):
         raise TypeError(f"cache: expected a qstate.GatedDeltaReplayCache, got {type(cache).__name__}")
@@ -235,7 +225,7 @@ def gated_delta_replay_verify(
              use_qk_l2norm)
     _VERIFY_DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *_cache_tensors(cache)), _check_verify_args,
                            cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
-    _check_slot_values(slot_indices, cache.num_slots)
+    _common.check_slot_values(slot_indices, cache.num_slots, name="slot_indices")
     _gated_delta_checks.check_values(g, beta)
     if out is None:
         out = torch.empty_like(v)
@@ -269,7 +259,7 @@ def gated_delta_replay_commit(cache: GatedDeltaReplayCache, num_accepted: torch.
     batch = _check_num_accepted(num_accepted, cache.device)
     _gated_delta_checks.check_slots(slot_indices, batch, cache.num_slots, cache.device, "num_accepted")
     _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
-    _check_slot_values(slot_indices, cache.num_slots)
+    _common.check_slot_values(slot_indices, cache.num_slots, name="slot_indices")
     if batch == 0:
         return
     if host_values(cache.device):
@@ -347,7 +337,7 @@ def gated_delta_update_drafts(
                          f"{batch}")
     if out is not None:
         _gated_delta_checks.check_out(out, v)
-    _check_slot_values(slot_indices, nslots)
+    _common.check_slot_values(slot_indices, nslots, name="slot_indices")
     _gated_delta_checks.check_values(g, beta)
     if out is None:
         out = torch.empty_like(v)
@@ -377,7 +367,7 @@ def gated_delta_commit_drafts(
     elif batch > state.shape[0]:
         raise ValueError(f"num_accepted: without slot_indices row i uses slot i, so batch must be <= nslots = "
                          f"{state.shape[0]}, got {batch}")
-    _check_slot_values(slot_indices, state.shape[0])
+    _common.check_slot_values(slot_indices, state.shape[0], name="slot_indices")
     if host_values(state.device) and batch:
         t_max = intermediate.shape[1]
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
