@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..common import pdl
+from ..common.constants import GRAN_NONE
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 from .ring import fold_operands, fold_rows, ring_token
@@ -114,14 +115,10 @@ def _replay_step_kernel(
             # The adjoint sweep, once per program, gives T and each token's coefficient c; each
             # chunk of V then meets it with o = c·v summed over the ring plus the read copy's
             # (or checkpoint's) rows · T.
-            if HAS_READ:
-                base_codes, base_ptr, base_scale_ptr = read_ptr, read_scale_ptr + ring_head * V, 1
-                BASE_DTYPE: tl.constexpr = RD_DTYPE
-                BASE_GRAN: tl.constexpr = RD_GRAN
-            else:
-                base_codes, base_ptr, base_scale_ptr = ck_ptr, ck_ptr, 0
-                BASE_DTYPE: tl.constexpr = CK_DTYPE
-                BASE_GRAN: tl.constexpr = 0
+            base_codes, base_ptr, base_scale_ptr = tile.output_base(read_ptr, read_scale_ptr, ck_ptr, ring_head, V,
+                                                                    HAS_READ)
+            BASE_DTYPE: tl.constexpr = RD_DTYPE if HAS_READ else CK_DTYPE
+            BASE_GRAN: tl.constexpr = RD_GRAN if HAS_READ else GRAN_NONE
             # PREFETCH: the first chunk's rows are loaded before the sweep, so they arrive while it
             # runs, and each chunk loads the next one's before its own sums.
             rows = v_part * V_LOOP * BLOCK_V + lanes

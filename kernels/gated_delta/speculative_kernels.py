@@ -6,6 +6,7 @@ commit's three (``_commit_list_kernel``,
 import triton
 import triton.language as tl
 
+from ..common.constants import GRAN_NONE
 from ..common.slot_flags import SLOT_BAD_CURSOR, cursor_outside, flag_nonfinite, flag_slot
 from . import tile
 from .ring import apply_token, fold_rows_streamed, ring_token, stage_fold_operands
@@ -99,14 +100,9 @@ def _verify_kernel(
         beta_row = beta_ptr + b * s_beta_b + h * s_beta_h
         v_row = v_ptr + b * s_v_b + h * s_v_h
         head = ring_head * V * K
-        if HAS_READ:
-            base_codes, base_scale, base_scaled = read_ptr, read_scale_ptr + ring_head * V, 1
-            BASE_DTYPE: tl.constexpr = RD_DTYPE
-            BASE_GRAN: tl.constexpr = RD_GRAN
-        else:
-            base_codes, base_scale, base_scaled = ck_ptr, ck_ptr, 0
-            BASE_DTYPE: tl.constexpr = CK_DTYPE
-            BASE_GRAN: tl.constexpr = 0
+        base_codes, base_scale, base_scaled = tile.output_base(read_ptr, read_scale_ptr, ck_ptr, ring_head, V, HAS_READ)
+        BASE_DTYPE: tl.constexpr = RD_DTYPE if HAS_READ else CK_DTYPE
+        BASE_GRAN: tl.constexpr = RD_GRAN if HAS_READ else GRAN_NONE
         # PREFETCH: the first chunk's rows are loaded before the sweeps, so they arrive meanwhile.
         rows = v_part * V_LOOP * BLOCK_V + lanes
         codes, scale = tile.load_raw(base_codes + head, base_scale, rows, cols, (rows < V) & PREFETCH, K, K,

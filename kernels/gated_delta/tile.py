@@ -133,6 +133,16 @@ def load_raw(codes_ptr, scale_ptr, rows, cols, row_mask, K, s_row, s_scale_row, 
 
 
 @triton.jit
+def output_base(read_ptr, read_scale_ptr, ck_ptr, ring_head, V, HAS_READ: tl.constexpr):
+    """``(codes, scales, scale row stride)`` of the state a head's outputs read: its read copy's
+    rows, or the checkpoint's (unscaled: the scale pointer is a placeholder)."""
+    if HAS_READ:
+        return read_ptr, read_scale_ptr + ring_head * V, 1
+    else:
+        return ck_ptr, ck_ptr, 0
+
+
+@triton.jit
 def stream_chunk(codes, scale, codes_ptr, scale_ptr, rows, cols, row_mask, more, K, V, s_scale_row,
                  DTYPE: tl.constexpr, GRAN: tl.constexpr, HW: tl.constexpr, PREFETCH: tl.constexpr,
                  BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
