@@ -47,9 +47,33 @@ def _inputs(g, batch, headdim, dstate, device, dtype, T=None):
                 dt_bias=(torch.randn(NHEADS, generator=g) - 2).to(device))
 
 
-def _finite(name, t, failures):
+def check_finite(name, t, failures):
     if not bool(torch.isfinite(t.float()).all()):
         failures.append(f"{name}: non-finite output")
+
+
+def arguments(doc, argv) -> tuple:
+    """A driver's command line: ``(device, quick)``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="one format per op")
+    args = parser.parse_args(argv)
+    return torch.device(args.device), args.quick
+
+
+def run_groups(label, groups, failures, device) -> int:
+    """Run each ``(name, calls)`` group (``calls()`` returns how many op calls it made), print a
+    line per group and the failures; the exit code: 1 on any failure."""
+    for name, run in groups:
+        t0 = time.time()
+        calls = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"{label}: {name}: {calls} calls ({time.time() - t0:.1f} s)", flush=True)
+    for f in failures:
+        print(f"{label}: FAIL", f, flush=True)
+    print(f"{label}: {len(failures)} failures", flush=True)
+    return 1 if failures else 0
 
 
 def conventional(device, formats, failures, shapes=SHAPES) -> int:
@@ -67,7 +91,7 @@ def conventional(device, formats, failures, shapes=SHAPES) -> int:
                 out = qstate.selective_state_update(state, **inp, dt_softplus=True, state_batch_indices=slots,
                                                     state_scale=scale, state_format=fmt, seed=step, slot_flags=flags)
                 calls += 1
-            _finite(f"conventional {fmt} {headdim}x{dstate}", out, failures)
+            check_finite(f"conventional {fmt} {headdim}x{dstate}", out, failures)
             if bool(flags.any()):
                 failures.append(f"conventional {fmt}: slot flags {flags.tolist()} on finite inputs")
     return calls
@@ -108,7 +132,7 @@ def replay(device, formats, failures, garbage=False, shapes=SHAPES, grouped=True
                 out = replay_decode(cache, **inp, dt_softplus=True, slot_indices=slots)
                 calls += 1
                 served = [i for i, s in enumerate(live) if not garbage or s not in (5, 6)]
-                _finite(f"replay {ck}/{rd} step {step}", out[served], failures)
+                check_finite(f"replay {ck}/{rd} step {step}", out[served], failures)
             big = torch.arange(64, device=device) % 8
             for start in range(0, 64 if grouped else 0, 8):  # 64 rows, 8 distinct slots a call
                 rows = torch.full((64,), -1, device=device)
@@ -141,7 +165,7 @@ def speculative(device, formats, failures, garbage=False, shapes=SHAPES, draft_l
                 replay_commit(cache, accepted, slots)
                 calls += 2
                 served = [0, 1, 3, 4, 5] + ([] if garbage else [6, 7])  # rows of slots 0-4 (and 5, 6)
-                _finite(f"verify {ck}/{rd} T={T}", out[served], failures)
+                check_finite(f"verify {ck}/{rd} T={T}", out[served], failures)
             _check_flags(f"verify {ck}/{rd}", cache, garbage, failures)
     return calls
 
@@ -154,30 +178,17 @@ def _check_flags(name, cache, garbage, failures):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="one format per op")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    conv = CONVENTIONAL_FORMATS[4:5] if args.quick else CONVENTIONAL_FORMATS
-    rep = REPLAY_FORMATS[1:2] if args.quick else REPLAY_FORMATS
+    device, quick = arguments(__doc__, argv)
+    conv = CONVENTIONAL_FORMATS[4:5] if quick else CONVENTIONAL_FORMATS
+    rep = REPLAY_FORMATS[1:2] if quick else REPLAY_FORMATS
     failures: list[str] = []
-    for name, run in (("conventional", lambda: conventional(device, conv, failures)),
-                      ("codec", lambda: codec(device, conv)),
-                      ("replay", lambda: replay(device, rep, failures)),
-                      ("speculative", lambda: speculative(device, rep, failures)),
-                      ("replay, garbage cursors", lambda: replay(device, rep, failures, garbage=True)),
-                      ("speculative, garbage cursors", lambda: speculative(device, rep, failures, garbage=True))):
-        t0 = time.time()
-        calls = run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        print(f"sanitize: {name}: {calls} calls ({time.time() - t0:.1f} s)", flush=True)
-    for f in failures:
-        print("sanitize: FAIL", f, flush=True)
-    print(f"sanitize: {len(failures)} failures", flush=True)
-    return 1 if failures else 0
-
+    return run_groups("sanitize", (
+        ("conventional", lambda: conventional(device, conv, failures)),
+        ("codec", lambda: codec(device, conv)),
+        ("replay", lambda: replay(device, rep, failures)),
+        ("speculative", lambda: speculative(device, rep, failures)),
+        ("replay, garbage cursors", lambda: replay(device, rep, failures, garbage=True)),
+        ("speculative, garbage cursors", lambda: speculative(device, rep, failures, garbage=True))), failures, device)
 
 if __name__ == "__main__":
     sys.exit(main())

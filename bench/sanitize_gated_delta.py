@@ -7,21 +7,19 @@ baseline, and the replay ops on slots whose cursor memory holds garbage.
 
     compute-sanitizer --tool memcheck python3 -m bench.sanitize_gated_delta
 
-Prints one line per group and exits 1 if an output of a served row is not finite, or a slot
-flag is set where none should be (the sanitizer's own report is what it checks). ``--device
-cpu`` runs the same calls under the interpreter (slow; ``--quick`` keeps one format per op).
+Its own checks, exit code, ``--device`` and ``--quick`` are those of :mod:`bench.sanitize`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import torch
 
 import qstate
 from qstate import SLOT_BAD_CURSOR, GatedDeltaReplayCache, quantize
+
+from .sanitize import arguments, check_finite, run_groups
 
 CONVENTIONAL_FORMATS = ("fp32", "bf16", "fp16", "bf16+sr", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head",
                         "fp8_e4m3:head", "int8:block32", "fp8_e4m3:block32", "int8:row+sr")
@@ -50,9 +48,12 @@ def _inputs(g, batch, shape, gate, device, dtype, T=None):
                 beta=torch.rand(*lead, HV, generator=g).to(device))
 
 
-def _finite(name, t, failures):
-    if not bool(torch.isfinite(t.float()).all()):
-        failures.append(f"{name}: non-finite output")
+def _stored(fmt, slots, shape, g, device):
+    """A random ``(slots, HV, V, K)`` state stored in ``fmt``: ``(codes, scales or None)`` on
+    ``device``."""
+    _, HV, K, V = shape
+    q = quantize(torch.randn(slots, HV, V, K, generator=g), fmt)
+    return q.data.to(device), None if q.scale is None else q.scale.to(device)
 
 
 def conventional(device, formats, failures, shapes=SHAPES, gates=GATES) -> int:
@@ -60,11 +61,9 @@ def conventional(device, formats, failures, shapes=SHAPES, gates=GATES) -> int:
     calls = 0
     slots = torch.tensor([3, -1, 0, 6, 2], device=device)  # a padding row, slots out of order
     for shape in shapes:
-        HK, HV, K, V = shape
         for gate in gates:
             for fmt in formats:
-                q = quantize(torch.randn(7, HV, V, K, generator=g), fmt)
-                state, scale = q.data.to(device), None if q.scale is None else q.scale.to(device)
+                state, scale = _stored(fmt, 7, shape, g, device)
                 flags = torch.zeros(7, dtype=torch.int32, device=device)
                 for step in range(2):
                     out = qstate.gated_delta_update(state, **_inputs(g, slots.numel(), shape, gate, device,
@@ -72,7 +71,7 @@ def conventional(device, formats, failures, shapes=SHAPES, gates=GATES) -> int:
                                                     state_indices=slots, state_scale=scale, state_format=fmt,
                                                     seed=step, slot_flags=flags)
                     calls += 1
-                _finite(f"conventional {fmt} {gate} {shape}", out, failures)
+                check_finite(f"conventional {fmt} {gate} {shape}", out, failures)
                 if bool(flags.any()):
                     failures.append(f"conventional {fmt} {gate}: slot flags {flags.tolist()} on finite inputs")
     return calls
@@ -113,7 +112,7 @@ def replay(device, formats, failures, garbage=False, shapes=SHAPES, gates=GATES,
                                                                      torch.bfloat16), slot_indices=slots)
                     calls += 1
                     served = [i for i, s in enumerate(live) if not garbage or s not in GARBAGE]
-                    _finite(f"replay {ck}/{rd} {gate} {shape} step {step}", out[served], failures)
+                    check_finite(f"replay {ck}/{rd} {gate} {shape} step {step}", out[served], failures)
                 if large:
                     rows = torch.full((LARGE_BATCH,), -1, device=device)
                     rows[LARGE_BATCH - SLOTS:] = torch.arange(SLOTS, device=device)
@@ -146,7 +145,7 @@ def speculative(device, formats, failures, garbage=False, shapes=SHAPES, gates=G
                             cache.drafts[slot] = T
                     qstate.gated_delta_replay_commit(cache, accepted, slot_indices=slots)
                     calls += 2
-                    _finite(f"verify {ck}/{rd} {gate} {shape} T={T}", out[served], failures)
+                    check_finite(f"verify {ck}/{rd} {gate} {shape} T={T}", out[served], failures)
                 if not garbage:
                     qstate.gated_delta_replay_check_commits(cache)
                 _check_flags(f"verify {ck}/{rd} {gate} {shape}", cache, garbage, failures)
@@ -163,8 +162,7 @@ def baseline(device, formats, failures, shapes=SHAPES, gates=GATES, T=3) -> int:
         HK, HV, K, V = shape
         for gate in gates:
             for fmt in formats:
-                q = quantize(torch.randn(5, HV, V, K, generator=g), fmt)
-                state, scale = q.data.to(device), None if q.scale is None else q.scale.to(device)
+                state, scale = _stored(fmt, 5, shape, g, device)
                 inter = torch.empty((slots.numel(), T, HV, V, K), dtype=state.dtype, device=device)
                 inter_scale = None if scale is None else torch.empty(inter.shape[:-1], device=device)
                 out = qstate.gated_delta_update_drafts(
@@ -175,36 +173,23 @@ def baseline(device, formats, failures, shapes=SHAPES, gates=GATES, T=3) -> int:
                 qstate.gated_delta_commit_drafts(state, inter, accepted, slot_indices=slots, state_scale=scale,
                                                  intermediate_scale=inter_scale, state_format=fmt)
                 calls += 2
-                _finite(f"baseline {fmt} {gate} {shape}", out[[0, 2, 3]], failures)
+                check_finite(f"baseline {fmt} {gate} {shape}", out[[0, 2, 3]], failures)
     return calls
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="one format per op")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    conv = CONVENTIONAL_FORMATS[4:5] if args.quick else CONVENTIONAL_FORMATS
-    rep = REPLAY_FORMATS[1:2] if args.quick else REPLAY_FORMATS
-    base = BASELINE_FORMATS[2:] if args.quick else BASELINE_FORMATS
+    device, quick = arguments(__doc__, argv)
+    conv = CONVENTIONAL_FORMATS[4:5] if quick else CONVENTIONAL_FORMATS
+    rep = REPLAY_FORMATS[1:2] if quick else REPLAY_FORMATS
+    base = BASELINE_FORMATS[2:] if quick else BASELINE_FORMATS
     failures: list[str] = []
-    for name, run in (("conventional", lambda: conventional(device, conv, failures)),
-                      ("replay", lambda: replay(device, rep, failures)),
-                      ("speculative", lambda: speculative(device, rep, failures)),
-                      ("baseline", lambda: baseline(device, base, failures)),
-                      ("replay, garbage cursors", lambda: replay(device, rep, failures, garbage=True)),
-                      ("speculative, garbage cursors", lambda: speculative(device, rep, failures, garbage=True))):
-        t0 = time.time()
-        calls = run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        print(f"sanitize_gated_delta: {name}: {calls} calls ({time.time() - t0:.1f} s)", flush=True)
-    for f in failures:
-        print("sanitize_gated_delta: FAIL", f, flush=True)
-    print(f"sanitize_gated_delta: {len(failures)} failures", flush=True)
-    return 1 if failures else 0
-
+    return run_groups("sanitize_gated_delta", (
+        ("conventional", lambda: conventional(device, conv, failures)),
+        ("replay", lambda: replay(device, rep, failures)),
+        ("speculative", lambda: speculative(device, rep, failures)),
+        ("baseline", lambda: baseline(device, base, failures)),
+        ("replay, garbage cursors", lambda: replay(device, rep, failures, garbage=True)),
+        ("speculative, garbage cursors", lambda: speculative(device, rep, failures, garbage=True))), failures, device)
 
 if __name__ == "__main__":
     sys.exit(main())
