@@ -1,10 +1,11 @@
 """GPU entry point: correctness first (codec and kernels against the references, on the GPU),
 then timing under CUDA-graph replay with a cold L2. See bench/README.md for how to run it.
 
-    python3 -m bench.run_gpu --out DIR [--groups conventional,replay] [--sweep] [--quick]
+    python3 -m bench.run_gpu --out DIR [--groups conventional,replay] [--only NAMES] [--sweep [MODULE]]
+                             [--checks MODULES | --skip-checks]
 
-Writes ``DIR/<group>.json`` (and copies it to bench/results/) and prints the markdown table;
-``python3 -m bench.harness DIR/<group>.json`` puts that table into bench/README.md.
+Writes ``DIR/<group>.json`` (``--out`` defaults to bench/results/) and prints the markdown
+table; ``python3 -m bench.harness DIR/<group>.json`` writes that table into bench/TABLES.md.
 Case modules register themselves on import: add yours to ``CASE_MODULES``.
 """
 
@@ -48,6 +49,9 @@ def main(argv=None) -> int:
                         help="also time tile sweeps where a module offers one (optionally only modules whose "
                              "name contains this, e.g. --sweep replay)")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--checks", default=None,
+                        help="run the checks of only the case modules whose name contains one of these "
+                             "(comma-separated, e.g. gated_delta); default: every module's")
     parser.add_argument("--only", default=None, help="time only cases whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -56,13 +60,19 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     command = "python3 -m bench.run_gpu " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     modules, import_failures = _load_case_modules()
+    checked = [m for m in modules if args.checks is None
+               or any(part in m.__name__ for part in args.checks.split(","))]
+    if args.checks is not None and not checked:
+        print(f"run_gpu: --checks: expected a part of a case module's name ({', '.join(CASE_MODULES)}), got "
+              f"{args.checks!r}", file=sys.stderr)
+        return 2
     groups = args.groups.split(",") if args.groups else None
     env = harness.environment()
     print(env, flush=True)
 
     failures, checks = list(import_failures), {}
     if not args.skip_checks:
-        for module in modules:
+        for module in checked:
             for fn_name in ("check_codec", "check_kernel"):
                 fn = getattr(module, fn_name, None)
                 if fn is None:

@@ -74,3 +74,47 @@ def test_run_gpu_times_peer_cases_after_every_qstate_case(monkeypatch, tmp_path)
     monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
     assert run_gpu.main(["--out", str(tmp_path), "--skip-checks"]) == 0
     assert order == ["probe/ours0", "probe/ours1", "probe/peer"]
+
+
+def _probe_modules(monkeypatch, calls):
+    """Two case modules whose checks record their calls, in place of the real ones."""
+    import sys
+    import types
+
+    names = []
+    for name in ("probe_cases_alpha", "probe_cases_beta"):
+        module = types.ModuleType(name)
+        module.check_kernel = lambda device, name=name: calls.append(name) or []
+        monkeypatch.setitem(sys.modules, name, module)
+        names.append(name)
+    monkeypatch.setattr(run_gpu, "CASE_MODULES", tuple(names))
+
+
+def _no_timing(monkeypatch):
+    import torch
+
+    from bench import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
+    monkeypatch.setattr(harness, "copy_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "cases", lambda device, groups: [])
+
+
+def test_run_gpu_checks_only_the_named_case_modules(monkeypatch, tmp_path):
+    calls = []
+    _probe_modules(monkeypatch, calls)
+    _no_timing(monkeypatch)
+    assert run_gpu.main(["--out", str(tmp_path), "--checks", "beta"]) == 0
+    assert calls == ["probe_cases_beta"]
+    assert run_gpu.main(["--out", str(tmp_path)]) == 0
+    assert calls == ["probe_cases_beta", "probe_cases_alpha", "probe_cases_beta"]
+
+
+def test_run_gpu_refuses_checks_that_name_no_module_before_any_work(monkeypatch, tmp_path, capsys):
+    calls = []
+    _probe_modules(monkeypatch, calls)
+    _no_timing(monkeypatch)
+    assert run_gpu.main(["--out", str(tmp_path), "--checks", "gamma"]) == 2
+    assert calls == [] and "--checks" in capsys.readouterr().err and not any(tmp_path.iterdir())
