@@ -12,7 +12,7 @@ and its launcher, ``replay_decode`` (fp32 checkpoint + fp8_e4m3:row read copy) a
 launcher, ``replay_verify`` of 4 drafts (same cache formats) and its launcher,
 ``replay_commit`` and its launcher; then the gated delta ops at batch 1 of the Qwen3.5-122B-A10B
 layer: ``gated_delta_update`` (fp32 state) and ``gated_delta_replay`` (fp32 checkpoint +
-fp8_e4m3:row read copy), which take no prepared launch (each call goes through its launcher).
+fp8_e4m3:row read copy), which prepare their launches as the first two do.
 On CPU tensors ``replay_commit`` also checks the accepted counts on the host, and the gated
 delta ops their gates and betas, which they skip on a GPU (it would sync). On a GPU host the
 Triton launches add to these (bench/README.md#eager).
