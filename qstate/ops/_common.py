@@ -302,6 +302,15 @@ def check_commit_counts(drafts: torch.Tensor, num_accepted: torch.Tensor, slot_i
                          f"got {accepted[wrong].tolist()}")
 
 
+def check_accepted_range(num_accepted: torch.Tensor, t_max: int) -> None:
+    """On CPU tensors (:func:`host_values`): the per-draft baselines' ``num_accepted`` within
+    ``0 … t_max`` (on a GPU the commit kernel skips a row outside, no sync)."""
+    if host_values(num_accepted.device) and num_accepted.numel():
+        lo, hi = int(num_accepted.min()), int(num_accepted.max())
+        if lo < 0 or hi > t_max:
+            raise ValueError(f"num_accepted: expected values in 0 … T_max = {t_max}, got min {lo}, max {hi}")
+
+
 def raise_commit_errors(commit_errors: torch.Tensor, no_verify_bit: int, range_bit: int, verify_name: str,
                         commit_name: str) -> None:
     """Raise ``ValueError`` for the bits a device-side commit left in ``commit_errors`` (one host

@@ -339,11 +339,7 @@ def commit_drafts(
         raise ValueError(f"intermediate: without state_batch_indices row i uses slot i, so batch must be <= "
                          f"nslots = {state.shape[0]}, got {batch}")
     _common.contiguous_state(state, state_scale)
-    if host_values(state.device) and batch:
-        t_max = intermediate.shape[1]
-        lo, hi = int(num_accepted.min()), int(num_accepted.max())
-        if lo < 0 or hi > t_max:
-            raise ValueError(f"num_accepted: expected values in 0 … T_max = {t_max}, got min {lo}, max {hi}")
+    _common.check_accepted_range(num_accepted, intermediate.shape[1])
     if batch == 0:
         return
     _commit_drafts_op(state, state_scale, intermediate, intermediate_scale, num_accepted, state_batch_indices)
