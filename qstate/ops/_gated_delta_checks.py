@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .. import _validate
+from ..gated_delta_cache import GatedDeltaReplayCache
 from . import _common
 from ._register import host_values
 
@@ -132,3 +133,14 @@ def check_index_tensor(name: str, indices, batch: int, device) -> None:
     if indices.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got {indices.device}")
     _common.unit_stride_indices(name, indices)
+
+
+def cache_signature(cache, scale, use_qk_l2norm) -> tuple:
+    """``(plain, cache tensors)`` of a replay step's or verify's dispatch signature
+    (``kernels/README.md#dispatch``): the cache's formats and ring room, the scale and the l2 flag
+    with their types, and the cache's tensors, whose layouts the signature holds. Not a cache: a
+    key that matches no call (the checks then run and name it) and no tensors."""
+    is_cache = isinstance(cache, GatedDeltaReplayCache)
+    plain = ((cache.checkpoint_format, cache.read_format, cache.max_draft) if is_cache else object(), type(scale),
+             scale, type(use_qk_l2norm), use_qk_l2norm)
+    return plain, tuple(cache.tensors().values()) if is_cache else ()

@@ -113,10 +113,7 @@ def gated_delta_replay(
     """
     # The signature fixes every argument of the two launches but the tensors' addresses
     # (kernels/README.md#dispatch): the cache's formats and ring room, and its tensors' layouts.
-    is_cache = isinstance(cache, GatedDeltaReplayCache)
-    plain = ((cache.checkpoint_format, cache.read_format, cache.max_draft) if is_cache else object(), type(scale),
-             scale, type(use_qk_l2norm), use_qk_l2norm)
-    cache_tensors = tuple(cache.tensors().values()) if is_cache else ()
+    plain, cache_tensors = _gated_delta_checks.cache_signature(cache, scale, use_qk_l2norm)
     entry = _DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *cache_tensors), _check_args, cache, q, k,
                             v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     _common.check_slot_values(slot_indices, cache.num_slots, name="slot_indices")

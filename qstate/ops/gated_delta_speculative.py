@@ -170,10 +170,6 @@ def _check_num_accepted(num_accepted, device) -> int:
     return num_accepted.shape[0]
 
 
-def _cache_tensors(cache) -> tuple:
-    return tuple(cache.tensors().values()) if isinstance(cache, GatedDeltaReplayCache) else ()
-
-
 def _format_names(cache) -> tuple:
     return str(cache.checkpoint_format), "" if cache.read_format is None else str(cache.read_format)
 
@@ -220,11 +216,9 @@ def gated_delta_replay_verify(
     CPU tensors an index ``≥ num_slots``, a repeated slot, a gate ``> 0`` or a ``beta`` outside
     ``[0, 1]`` raise. Returns ``out`` (allocated like ``v`` when None).
     """
-    plain = ((cache.checkpoint_format, cache.read_format, cache.max_draft)
-             if isinstance(cache, GatedDeltaReplayCache) else object(), type(scale), scale, type(use_qk_l2norm),
-             use_qk_l2norm)
-    _VERIFY_DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *_cache_tensors(cache)), _check_verify_args,
-                           cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
+    plain, cache_tensors = _gated_delta_checks.cache_signature(cache, scale, use_qk_l2norm)
+    _VERIFY_DISPATCH.entry(plain, (q, k, v, g, beta, slot_indices, out, *cache_tensors), _check_verify_args, cache,
+                           q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out)
     _common.check_slot_values(slot_indices, cache.num_slots, name="slot_indices")
     _gated_delta_checks.check_values(g, beta)
     if out is None:
