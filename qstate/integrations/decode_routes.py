@@ -96,7 +96,21 @@ def _version(t: torch.Tensor) -> Optional[int]:
         return None
 
 
-class LayerRoute:
+class ForwardBracket:
+    """What a route does around each call of its patched layer (``begin_forward``, the call,
+    ``end_forward``): a call that took no decode step (the chunked path ran: a prefill, or no
+    cache was given) leaves transformers' state the truth, so the next step rebuilds from it.
+    Subclasses set ``_stepped`` (a decode step ran in this call) and ``_stale``."""
+
+    def begin_forward(self) -> None:
+        self._stepped = False
+
+    def end_forward(self) -> None:
+        if not self._stepped:
+            self._stale = True
+
+
+class LayerRoute(ForwardBracket):
     """Base of the routes: bookkeeping shared by every scheme.
 
     Subclasses implement ``sync(state, step)`` (rebuild their storage from transformers' state)
@@ -119,15 +133,6 @@ class LayerRoute:
         self._bound_version: Optional[int] = None
         self._written: Optional[torch.Tensor] = None
         self._stepped = False
-
-    # the patched mixer forward brackets every call of the layer with these two
-    def begin_forward(self) -> None:
-        self._stepped = False
-
-    def end_forward(self) -> None:
-        if not self._stepped:
-            # the chunked scan ran (a prefill) or no cache was given: transformers' state is the truth
-            self._stale = True
 
     def _holds_own_write(self, state: torch.Tensor) -> bool:
         if self._stale or self._written is None:

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from ..formats import QuantizedState, StateFormat, dequantize, quantize
-from .decode_routes import check_kernels_can_run
+from .decode_routes import ForwardBracket, check_kernels_can_run
 
 _SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # fla's one-token decode functions, which a layer of a binding release holds when fla is installed.
@@ -84,7 +84,7 @@ class DeltaDecodeStep:
         return "channel" if self.g.dim() == 3 else "scalar"
 
 
-class DeltaLayerRoute:
+class DeltaLayerRoute(ForwardBracket):
     """Base of the delta-rule routes: bookkeeping shared by every scheme.
 
     Subclasses implement ``sync(state, step)`` (rebuild their storage from transformers' state,
@@ -98,15 +98,6 @@ class DeltaLayerRoute:
         self._stale = True
         self._returned: Optional[torch.Tensor] = None
         self._stepped = False
-
-    # the patched layer forward brackets every call of the layer with these two
-    def begin_forward(self) -> None:
-        self._stepped = False
-
-    def end_forward(self) -> None:
-        if not self._stepped:
-            # the chunked function ran (a prefill) or no cache was given: transformers' state is the truth
-            self._stale = True
 
     def __call__(self, original: Callable, query, key, value, g, beta, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, **kwargs):
