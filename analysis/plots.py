@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DECAY_CLASSES", "decay_class", "final_by_class", "plot_drift"]
+__all__ = ["DECAY_CLASSES", "decay_class", "final_by_class", "measured_vs_predicted_table", "plot_drift"]
 
 # Edges of the decay classes (typical a = exp(dt·A) of a head): short memory … long memory.
 DECAY_CLASSES = ((0.0, 0.9, "a < 0.9"), (0.9, 0.99, "0.9 ≤ a < 0.99"), (0.99, 0.999, "0.99 ≤ a < 0.999"),
@@ -15,6 +15,34 @@ def decay_class(decay) -> np.ndarray:
     """Index into :data:`DECAY_CLASSES` of each decay."""
     decay = np.asarray(decay)
     return np.searchsorted([hi for _, hi, _ in DECAY_CLASSES[:-1]], decay, side="right")
+
+
+def measured_vs_predicted_table(result, measure) -> list[str]:
+    """Markdown rows: per scheme and decay class present, the rms over the class's heads of the
+    measured and the predicted output error. ``measure(j)`` gives scheme j's ``(measured,
+    predicted, predictions)`` per head: ``*`` marks a class where every head's prediction
+    ``applies``; a prediction that ``stagnates`` (where it has the field) is counted as a
+    dead-band head. A failed scheme's cells read "failed"."""
+    classes = decay_class(result.decay)
+    present = [c for c in range(len(DECAY_CLASSES)) if np.any(classes == c)]
+    header = "| scheme | " + " | ".join(f"{DECAY_CLASSES[c][2]}: measured / predicted" for c in present) + " |"
+    lines = [header, "|" + "---|" * (len(present) + 1)]
+    for j, scheme in enumerate(result.schemes):
+        if str(scheme) in result.failed_at:
+            lines.append(f"| {scheme} | " + " | ".join("failed" for _ in present) + " |")
+            continue
+        measured, predicted, preds = measure(j)
+        cells = []
+        for c in present:
+            sel = classes == c
+            members = np.nonzero(sel)[0]
+            m, p = np.sqrt(np.mean(measured[sel] ** 2)), np.sqrt(np.mean(predicted[sel] ** 2))
+            mark = "*" if all(preds[h].applies for h in members) else ""
+            stag = sum(getattr(preds[h], "stagnates", False) for h in members)
+            note = f" (dead band: {stag}/{len(members)} heads)" if stag else ""
+            cells.append(f"{m:.2e} / {p:.2e}{mark}{note}")
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _pyplot():

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import theory
 from .drift import DriftResult
-from .plots import DECAY_CLASSES, decay_class
+from .plots import measured_vs_predicted_table
 
 __all__ = ["theory_table", "write_report"]
 
@@ -30,25 +30,8 @@ def theory_table(result: DriftResult) -> str:
     else:
         sample = result.profile.sample_inputs(1, 1, heads=result.heads, seed=result.seed)
         decays, increments = theory.head_parameters(sample)
-    classes = decay_class(result.decay)
-    present = [c for c in range(len(DECAY_CLASSES)) if np.any(classes == c)]
-    header = "| scheme | " + " | ".join(f"{DECAY_CLASSES[c][2]}: measured / predicted" for c in present) + " |"
-    lines = [header, "|" + "---|" * (len(present) + 1)]
-    for j, scheme in enumerate(result.schemes):
-        if str(scheme) in result.failed_at:
-            lines.append(f"| {scheme} | " + " | ".join("failed" for _ in present) + " |")
-            continue
-        measured, predicted, preds = theory.measured_vs_predicted(result, j, increments, decays)
-        cells = []
-        for c in present:
-            sel = classes == c
-            m = np.sqrt(np.mean(measured[sel] ** 2))
-            p = np.sqrt(np.mean(predicted[sel] ** 2))
-            mark = "*" if all(preds[h].applies for h in np.nonzero(sel)[0]) else ""
-            stag = sum(preds[h].stagnates for h in np.nonzero(sel)[0])
-            note = f" (dead band: {stag}/{int(sel.sum())} heads)" if stag else ""
-            cells.append(f"{m:.2e} / {p:.2e}{mark}{note}")
-        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    lines = measured_vs_predicted_table(
+        result, lambda j: theory.measured_vs_predicted(result, j, increments, decays))
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import theory_delta
 from .drift import DriftResult
-from .plots import DECAY_CLASSES, decay_class
+from .plots import measured_vs_predicted_table
 
 __all__ = ["theory_table", "checkpoint_section"]
 
@@ -18,22 +18,7 @@ def theory_table(result: DriftResult) -> str:
     :func:`theory_delta.measured_vs_predicted`); ``*`` marks classes where the theory's assumptions
     hold for every head."""
     heads = theory_delta.head_parameters(result.profile, result.heads, result.seed)
-    classes = decay_class(result.decay)
-    present = [c for c in range(len(DECAY_CLASSES)) if np.any(classes == c)]
-    header = "| scheme | " + " | ".join(f"{DECAY_CLASSES[c][2]}: measured / predicted" for c in present) + " |"
-    lines = [header, "|" + "---|" * (len(present) + 1)]
-    for j, scheme in enumerate(result.schemes):
-        if str(scheme) in result.failed_at:
-            lines.append(f"| {scheme} | " + " | ".join("failed" for _ in present) + " |")
-            continue
-        measured, predicted, preds = theory_delta.measured_vs_predicted(result, j, heads)
-        cells = []
-        for c in present:
-            sel = classes == c
-            m, p = np.sqrt(np.mean(measured[sel] ** 2)), np.sqrt(np.mean(predicted[sel] ** 2))
-            mark = "*" if all(preds[h].applies for h in np.nonzero(sel)[0]) else ""
-            cells.append(f"{m:.2e} / {p:.2e}{mark}")
-        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    lines = measured_vs_predicted_table(result, lambda j: theory_delta.measured_vs_predicted(result, j, heads))
     rho = ", ".join(f"{h.effective_decay():.3f}" for h in heads)
     return "\n".join(lines) + f"\n\nKey contraction ρ of the simulated heads (theory): {rho}."
 
