@@ -32,30 +32,44 @@ def check_token(q, k, v, g, beta, *, num_v_heads: int, head_k_dim: int, head_v_d
                 owner: str) -> TokenDims:
     """``q, k (batch, HK, K)``, ``v (batch, HV, V)``, ``g (batch, HV)`` or ``(batch, HV, K)``,
     ``beta (batch, HV)`` against ``owner``'s (the state's or cache's) HV, K, V and device."""
-    for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("beta", beta, 2)):
+    (batch,), HK, channel = check_inputs(q, k, v, g, beta, drafts=False, num_v_heads=num_v_heads,
+                                         head_k_dim=head_k_dim, head_v_dim=head_v_dim, device=device, owner=owner)
+    return TokenDims(batch, HK, num_v_heads, head_k_dim, head_v_dim, channel)
+
+
+def check_inputs(q, k, v, g, beta, *, drafts: bool, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 device: torch.device, owner: str) -> tuple:
+    """One token's inputs (``drafts`` False: leading dimension ``batch``) or T drafts' (``batch,
+    T``, T ≥ 1): ``q, k (…, HK, K)``, ``v (…, HV, V)``, ``g (…, HV)`` or ``(…, HV, K)``, ``beta
+    (…, HV)`` against ``owner``'s HV, K, V and device. Returns ``(leading sizes, HK, channel)``."""
+    lead_names = "batch, T" if drafts else "batch"
+    nlead = 2 if drafts else 1
+    for name, t, ndim in (("q", q, nlead + 2), ("k", k, nlead + 2), ("v", v, nlead + 2), ("beta", beta, nlead + 1)):
         _validate.tensor(name, t, ndim=ndim)
     _validate.tensor("g", g)
-    batch, HK, K = k.shape
-    _validate.shape("q", q, k.shape, "(batch, HK, K) as k")
+    lead, (HK, K) = tuple(k.shape[:nlead]), k.shape[nlead:]
+    _validate.shape("q", q, k.shape, f"({lead_names}, HK, K) as k")
     if K != head_k_dim:
         raise ValueError(f"k: expected head_k_dim K = {head_k_dim} ({owner}'s), got shape {tuple(k.shape)}")
-    _validate.shape("v", v, (batch, num_v_heads, head_v_dim), f"(batch, HV, V) with {owner}'s HV and V")
+    if drafts and lead[1] < 1:
+        raise ValueError(f"k: expected at least one draft (T >= 1), got shape {tuple(k.shape)}")
+    _validate.shape("v", v, (*lead, num_v_heads, head_v_dim), f"({lead_names}, HV, V) with {owner}'s HV and V")
     if HK < 1 or num_v_heads % HK:
         raise ValueError(f"k: the number of value heads HV = {num_v_heads} must be a multiple of the key heads "
                          f"HK, got HK = {HK}")
-    if g.dim() not in (2, 3):
-        raise ValueError(f"g: expected 2 dimensions (batch, HV) for a per-head gate or 3 (batch, HV, K) for a "
-                         f"per-channel gate, got shape {tuple(g.shape)}")
-    channel = g.dim() == 3
-    _validate.shape("g", g, (batch, num_v_heads, K) if channel else (batch, num_v_heads),
-                    "(batch, HV, K)" if channel else "(batch, HV)")
-    _validate.shape("beta", beta, (batch, num_v_heads), "(batch, HV)")
+    if g.dim() not in (nlead + 1, nlead + 2):
+        raise ValueError(f"g: expected {nlead + 1} dimensions ({lead_names}, HV) for a per-head gate or {nlead + 2} "
+                         f"({lead_names}, HV, K) for a per-channel gate, got shape {tuple(g.shape)}")
+    channel = g.dim() == nlead + 2
+    _validate.shape("g", g, (*lead, num_v_heads) + ((K,) if channel else ()),
+                    f"({lead_names}, HV, K)" if channel else f"({lead_names}, HV)")
+    _validate.shape("beta", beta, (*lead, num_v_heads), f"({lead_names}, HV)")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _common.float_input(name, t)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
         _common.unit_inner_stride(name, t)
     _common.same_device(device, q=q, k=k, v=v, g=g, beta=beta)
-    return TokenDims(batch, HK, num_v_heads, K, head_v_dim, channel)
+    return lead, HK, channel
 
 
 def check_scale(scale) -> Optional[float]:

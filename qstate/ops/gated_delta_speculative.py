@@ -101,37 +101,6 @@ _commit_drafts_op = mutating_op("qstate::gated_delta_commit_drafts", _commit_dra
 # ------------------------------------------------------------------------------------ validation
 
 
-def _check_drafts(q, k, v, g, beta, *, num_v_heads: int, head_k_dim: int, head_v_dim: int, device, owner: str):
-    """``q, k (batch, T, HK, K)``, ``v (batch, T, HV, V)``, ``g (batch, T, HV[, K])``, ``beta
-    (batch, T, HV)`` against ``owner``'s HV, K, V and device; returns ``(batch, T, HK, channel)``."""
-    for name, t, ndim in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
-        _validate.tensor(name, t, ndim=ndim)
-    _validate.tensor("g", g)
-    batch, T, HK, K = k.shape
-    _validate.shape("q", q, k.shape, "(batch, T, HK, K) as k")
-    if K != head_k_dim:
-        raise ValueError(f"k: expected head_k_dim K = {head_k_dim} ({owner}'s), got shape {tuple(k.shape)}")
-    if T < 1:
-        raise ValueError(f"k: expected at least one draft (T >= 1), got shape {tuple(k.shape)}")
-    _validate.shape("v", v, (batch, T, num_v_heads, head_v_dim), f"(batch, T, HV, V) with {owner}'s HV and V")
-    if HK < 1 or num_v_heads % HK:
-        raise ValueError(f"k: the number of value heads HV = {num_v_heads} must be a multiple of the key heads "
-                         f"HK, got HK = {HK}")
-    if g.dim() not in (3, 4):
-        raise ValueError(f"g: expected 3 dimensions (batch, T, HV) for a per-head gate or 4 (batch, T, HV, K) for "
-                         f"a per-channel gate, got shape {tuple(g.shape)}")
-    channel = g.dim() == 4
-    _validate.shape("g", g, (batch, T, num_v_heads) + ((K,) if channel else ()),
-                    "(batch, T, HV, K)" if channel else "(batch, T, HV)")
-    _validate.shape("beta", beta, (batch, T, num_v_heads), "(batch, T, HV)")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _common.float_input(name, t)
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _common.unit_inner_stride(name, t)
-    _common.same_device(device, q=q, k=k, v=v, g=g, beta=beta)
-    return batch, T, HK, channel
-
-
 def _check_cache(cache) -> None:
     if not isinstance(cache, GatedDeltaReplayCache):
         raise TypeError(f"cache: expected a qstate.GatedDeltaReplayCache, got {type(cache).__name__}")
@@ -144,9 +113,9 @@ def _check_cache(cache) -> None:
 def _check_verify_args(cache, q, k, v, g, beta, scale, use_qk_l2norm, slot_indices, out) -> None:
     """Every check of :func:`gated_delta_replay_verify` that reads only metadata (its signature)."""
     _check_cache(cache)
-    batch, T, HK, channel = _check_drafts(q, k, v, g, beta, num_v_heads=cache.num_v_heads,
-                                          head_k_dim=cache.head_k_dim, head_v_dim=cache.head_v_dim,
-                                          device=cache.device, owner="the cache")
+    (batch, T), HK, channel = _gated_delta_checks.check_inputs(
+        q, k, v, g, beta, drafts=True, num_v_heads=cache.num_v_heads, head_k_dim=cache.head_k_dim,
+        head_v_dim=cache.head_v_dim, device=cache.device, owner="the cache")
     if T > cache.max_draft:
         raise ValueError(f"k: expected T <= cache.max_draft = {cache.max_draft} drafts, got T = {T}")
     _gated_delta_checks.check_cache_inputs(cache, k, v, g, HK, channel, "batch, T")
@@ -319,8 +288,8 @@ def gated_delta_update_drafts(
     consts = _baseline_format(state_format, state)
     _check_state(state, state_scale, consts)
     nslots, HV, V, K = state.shape
-    batch, T, _, _ = _check_drafts(q, k, v, g, beta, num_v_heads=HV, head_k_dim=K, head_v_dim=V, device=state.device,
-                                   owner="the state")
+    (batch, T), _, _ = _gated_delta_checks.check_inputs(q, k, v, g, beta, drafts=True, num_v_heads=HV, head_k_dim=K,
+                                                        head_v_dim=V, device=state.device, owner="the state")
     _common.check_intermediate(intermediate, intermediate_scale, state, consts, batch, T, _INTERMEDIATE, _SCALES)
     _gated_delta_checks.check_scale(scale)
     _common.bool_flag("use_qk_l2norm", use_qk_l2norm)
