@@ -216,12 +216,14 @@ def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
     f2, r2 = check_replay(device)
-    f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0)
+    f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0, MIN_FLUSH_PROGRAMS=0)
     return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
 
 
 @contextlib.contextmanager
-def _replay_constants(**constants):
+def replay_constants(**constants):
+    """The replay launcher's (``kernels/gated_delta/replay.py``) constants set for a block, the
+    launch plans rebuilt on both sides of it."""
     from qstate.kernels import clear_launch_plans
     from qstate.kernels.gated_delta import replay
 
@@ -240,8 +242,9 @@ def _replay_constants(**constants):
 def check_replay_variant(device, tag, **constants):
     """:func:`check_replay` with the replay launcher's constants set: ``MIN_PROGRAMS=0`` gives the
     large-batch program shape (``V_LOOP`` chunks per program, the sweep's result reused across
-    them), which its small grids would otherwise never reach."""
-    with _replay_constants(**constants):
+    them) and ``MIN_FLUSH_PROGRAMS=0`` flush programs over ``FLUSH_BATCH_ROWS`` rows, which its
+    small grids would otherwise never reach."""
+    with replay_constants(**constants):
         failures, report = check_replay(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
 
@@ -370,6 +373,7 @@ REPLAY_SWEEP = {
     "flush-ieee": {"FOLD_PRECISION": "ieee"},
     "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
     "flush-128x4w": {"FLUSH_WARPS": 4},
+    "flush-16rows": {"FLUSH_BATCH_ROWS": 16},
 }
 
 

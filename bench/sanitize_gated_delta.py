@@ -2,7 +2,7 @@
 (``CHECKS.md``): the conventional step over every state format and both gate kinds (padding
 rows, slots out of order, partial and whole tiles, ``slot_flags``), the replay step and its
 flush at staggered cursors (8-bit and 16-bit read copies, 16-bit checkpoints, a batch of 130
-rows that takes the large-batch launch), verify and commit with early flushes, the per-draft
+rows that takes the large-batch launch, its flush programs walking several rows), verify and commit with early flushes, the per-draft
 baseline, and the replay ops on slots whose cursor memory holds garbage.
 
     compute-sanitizer --tool memcheck python3 -m bench.sanitize_gated_delta
@@ -19,6 +19,7 @@ import torch
 import qstate
 from qstate import SLOT_BAD_CURSOR, GatedDeltaReplayCache, quantize
 
+from .cases_gated_delta import replay_constants
 from .sanitize import arguments, check_finite, run_groups
 
 CONVENTIONAL_FORMATS = ("fp32", "bf16", "fp16", "bf16+sr", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head",
@@ -98,7 +99,8 @@ def _check_flags(name, cache, garbage, failures):
 def replay(device, formats, failures, garbage=False, shapes=SHAPES, gates=GATES, large=True) -> int:
     """Decode steps with staggered admissions (slot s joins at step s, so rows flush on different
     steps), a padding row in each call, and with ``large`` a call of ``LARGE_BATCH`` rows (8
-    distinct slots, the rest padding)."""
+    distinct slots, the rest padding) whose flush programs walk ``FLUSH_BATCH_ROWS`` rows each
+    (the last program's partly past the batch)."""
     g = torch.Generator().manual_seed(3)
     calls = 0
     for shape in shapes:
@@ -116,8 +118,9 @@ def replay(device, formats, failures, garbage=False, shapes=SHAPES, gates=GATES,
                 if large:
                     rows = torch.full((LARGE_BATCH,), -1, device=device)
                     rows[LARGE_BATCH - SLOTS:] = torch.arange(SLOTS, device=device)
-                    qstate.gated_delta_replay(cache, **_inputs(g, LARGE_BATCH, shape, gate, device, torch.bfloat16),
-                                              slot_indices=rows)
+                    with replay_constants(MIN_FLUSH_PROGRAMS=0):
+                        qstate.gated_delta_replay(cache, **_inputs(g, LARGE_BATCH, shape, gate, device,
+                                                                   torch.bfloat16), slot_indices=rows)
                     calls += 1
                 _check_flags(f"replay {ck}/{rd} {gate} {shape}", cache, garbage, failures)
     return calls
