@@ -215,37 +215,41 @@ def check_graph(device, batch=64, steps=20):
 def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
-    f2, r2 = check_replay(device)
-    f3, r3 = check_replay_variant(device, "chunked", MIN_PROGRAMS=0, MIN_FLUSH_PROGRAMS=0)
-    return f1 + f2 + f3 + check_graph(device), r1 + r2 + r3
+    f2, r2 = check_variant(check_conventional, device, "conventional", "fused", FUSED_ON_GPU=True)
+    f3, r3 = check_replay(device)
+    f4, r4 = check_variant(check_replay, device, "replay", "chunked", MIN_PROGRAMS=0, MIN_FLUSH_PROGRAMS=0,
+                           FLUSH_BATCH_ROWS=16)
+    return f1 + f2 + f3 + f4 + check_graph(device), r1 + r2 + r3 + r4
 
 
 @contextlib.contextmanager
-def replay_constants(**constants):
-    """The replay launcher's (``kernels/gated_delta/replay.py``) constants set for a block, the
-    launch plans rebuilt on both sides of it."""
-    from qstate.kernels import clear_launch_plans
-    from qstate.kernels.gated_delta import replay
+def launcher_constants(module, **constants):
+    """The constants of a gated delta launcher (``qstate.kernels.gated_delta.<module>``) set for a
+    block, the launch plans rebuilt on both sides of it."""
+    import importlib
 
-    saved = {name: getattr(replay, name) for name in constants}
+    from qstate.kernels import clear_launch_plans
+
+    launcher = importlib.import_module(f"qstate.kernels.gated_delta.{module}")
+    saved = {name: getattr(launcher, name) for name in constants}
     for name, value in constants.items():
-        setattr(replay, name, value)
+        setattr(launcher, name, value)
     clear_launch_plans()
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(replay, name, value)
+            setattr(launcher, name, value)
         clear_launch_plans()
 
 
-def check_replay_variant(device, tag, **constants):
-    """:func:`check_replay` with the replay launcher's constants set: ``MIN_PROGRAMS=0`` gives the
-    large-batch program shape (``V_LOOP`` chunks per program, the sweep's result reused across
-    them) and ``MIN_FLUSH_PROGRAMS=0`` flush programs over ``FLUSH_BATCH_ROWS`` rows, which its
-    small grids would otherwise never reach."""
-    with replay_constants(**constants):
-        failures, report = check_replay(device)
+def check_variant(check, device, module, tag, **constants):
+    """``check(device)`` with launcher constants set, for code its default plans do not reach: the
+    conventional kernel's ``FUSED_ON_GPU``; the replay launcher's ``MIN_PROGRAMS=0`` (``V_LOOP``
+    chunks per program, the sweep's result reused across them) and ``MIN_FLUSH_PROGRAMS=0`` with
+    ``FLUSH_BATCH_ROWS`` (flush programs over several rows), which its small grids never reach."""
+    with launcher_constants(module, **constants):
+        failures, report = check(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
 
 
@@ -363,9 +367,9 @@ CONVENTIONAL_SWEEP = {
              "32x2w": {_ROWS: {codec.FP32: (32, 2)}}},
     "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}},
     "int8:row": {"default": {}, "32x2w": {_ROWS: {codec.INT8: (32, 2)}}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}},
-                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}},
+                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "fused": {"FUSED_ON_GPU": True}},
     "fp8_e4m3:row": {"default": {}, "32x2w": {_ROWS: {codec.FP8_E4M3: (32, 2)}},
-                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}},
+                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}, "fused": {"FUSED_ON_GPU": True}},
 }
 REPLAY_SWEEP = {
     "default": {},
@@ -411,7 +415,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 28 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 32 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():

@@ -1,8 +1,9 @@
 """Every gated delta rule kernel once or a few times at small shapes, for ``compute-sanitizer``
 (``CHECKS.md``): the conventional step over every state format and both gate kinds (padding
-rows, slots out of order, partial and whole tiles, ``slot_flags``), the replay step and its
-flush at staggered cursors (8-bit and 16-bit read copies, 16-bit checkpoints, a batch of 130
-rows that takes the large-batch launch, its flush programs walking several rows), verify and commit with early flushes, the per-draft
+rows, slots out of order, partial and whole tiles, ``slot_flags``; 8-bit row and head scales
+also in the fused arithmetic), the replay step and its flush at staggered cursors (8-bit and
+16-bit read copies, 16-bit checkpoints, a batch of 130 rows that takes the large-batch launch,
+its flush programs walking several rows), verify and commit with early flushes, the per-draft
 baseline, and the replay ops on slots whose cursor memory holds garbage.
 
     compute-sanitizer --tool memcheck python3 -m bench.sanitize_gated_delta
@@ -19,11 +20,13 @@ import torch
 import qstate
 from qstate import SLOT_BAD_CURSOR, GatedDeltaReplayCache, quantize
 
-from .cases_gated_delta import replay_constants
+from .cases_gated_delta import launcher_constants
 from .sanitize import arguments, check_finite, run_groups
 
 CONVENTIONAL_FORMATS = ("fp32", "bf16", "fp16", "bf16+sr", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head",
                         "fp8_e4m3:head", "int8:block32", "fp8_e4m3:block32", "int8:row+sr")
+# Formats whose conventional step has a fused path (8-bit row and head scales, round to nearest).
+FUSED_FORMATS = ("fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head", "fp8_e4m3:head")
 # (checkpoint, read copy) of the replay caches: every read format and each checkpoint dtype.
 REPLAY_FORMATS = (("fp32", None), ("fp32", "fp8_e4m3:row"), ("fp32", "int8:row"), ("bf16", "fp8_e5m2:row"),
                   ("fp16", "bf16"))
@@ -118,7 +121,7 @@ def replay(device, formats, failures, garbage=False, shapes=SHAPES, gates=GATES,
                 if large:
                     rows = torch.full((LARGE_BATCH,), -1, device=device)
                     rows[LARGE_BATCH - SLOTS:] = torch.arange(SLOTS, device=device)
-                    with replay_constants(MIN_FLUSH_PROGRAMS=0):
+                    with launcher_constants("replay", MIN_FLUSH_PROGRAMS=0, FLUSH_BATCH_ROWS=16):
                         qstate.gated_delta_replay(cache, **_inputs(g, LARGE_BATCH, shape, gate, device,
                                                                    torch.bfloat16), slot_indices=rows)
                     calls += 1
@@ -186,8 +189,15 @@ def main(argv=None) -> int:
     rep = REPLAY_FORMATS[1:2] if quick else REPLAY_FORMATS
     base = BASELINE_FORMATS[2:] if quick else BASELINE_FORMATS
     failures: list[str] = []
+    fused = tuple(f for f in conv if f in FUSED_FORMATS)
+
+    def conventional_fused():
+        with launcher_constants("conventional", FUSED_ON_GPU=True):
+            return conventional(device, fused, failures)
+
     return run_groups("sanitize_gated_delta", (
         ("conventional", lambda: conventional(device, conv, failures)),
+        ("conventional, fused arithmetic", conventional_fused),
         ("replay", lambda: replay(device, rep, failures)),
         ("speculative", lambda: speculative(device, rep, failures)),
         ("baseline", lambda: baseline(device, base, failures)),

@@ -11,7 +11,9 @@ Per tile: normalize q and k of the head's key head (``h // (HV / HK)``) in fp32,
 (one per head or per key channel), load codes and scales, dequantize (``code · scale``), then in
 fp32 and the references' order ``S ← S·diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``; output
 ``S q̂`` from the unrounded state, re-quantize with the codec (``tile.store_tile``) and store in
-place. A row whose slot index is negative or ``pad_slot_id`` outputs zeros and touches no slot; an
+place. ``FUSED`` (8-bit row and head scales, round to nearest) takes fewer, slightly less exact
+steps: GDN's decay joins the old scale, codes come from one product with an approximate
+reciprocal (``tile.store_tile_fused``; README.md#fused-path). A row whose slot index is negative or ``pad_slot_id`` outputs zeros and touches no slot; an
 index ``≥ nslots`` (rejected on the host for CPU tensors) outputs NaN and touches no slot.
 """
 
@@ -32,6 +34,9 @@ _TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (32, 4)}
 # row's K-sums inside it (no shared-memory round); 16 rows timed fastest for 8-bit too on the H200.
 TILE_ROWS_BY_DTYPE = {codec.FP32: (16, 1), codec.BF16: (16, 1), codec.FP16: (16, 1), codec.INT8: (16, 1),
                       codec.FP8_E4M3: (16, 1), codec.FP8_E5M2: (16, 1)}
+# Fused arithmetic of 8-bit row and head scales on GPU launches (README.md#fused-path); off until
+# a GPU run times it (bench sweep variant "fused").
+FUSED_ON_GPU = False
 # Programs below which a launch splits V finer (a small batch still fills the GPU).
 _MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
@@ -59,20 +64,21 @@ def tile_config(element_bytes: int, K: int, V: int, granularity: int, programs_p
 
 @functools.lru_cache(maxsize=1024)
 def _plan(element_bytes, K, V, num_v_heads, batch, device, dtype_code, granularity, stochastic, qmax, emax, channel,
-          l2norm, has_slots, seed_from_ptr, out_bf16, has_flags):
+          l2norm, has_slots, seed_from_ptr, out_bf16, has_flags, fused):
     """``(grid, constexprs)`` of a launch, a function of the call's metadata."""
     block_v, block_k, warps = tile_config(element_bytes, K, V, granularity, batch * num_v_heads,
                                           device.type == "cuda", dtype_code)
     constexprs = dict(DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                      SEED_FROM_PTR=seed_from_ptr, OUT_BF16=out_bf16, HAS_FLAGS=has_flags, BLOCK_V=block_v, BLOCK_K=block_k,
-                      num_warps=warps)
+                      SEED_FROM_PTR=seed_from_ptr, OUT_BF16=out_bf16, HAS_FLAGS=has_flags,
+                      FUSED=FUSED_ON_GPU and device.type == "cuda" if fused is None else fused, BLOCK_V=block_v,
+                      BLOCK_K=block_k, num_warps=warps)
     return (sizes.cdiv(V, block_v), num_v_heads, batch), constexprs
 
 
 def launch(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor, *, qk_scale: float,
            dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int, use_qk_l2norm: bool,
-           pad_slot_id: int, slot_flags=None) -> None:
+           pad_slot_id: int, slot_flags=None, fused=None) -> None:
     """Launch the kernel on validated arguments.
 
     ``state``: the storage view (:func:`codec.storage_view`) ``(nslots, HV, V, K)``, unit K
@@ -80,12 +86,14 @@ def launch(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_t
     ``q, k (batch, HK, K)``, ``v, out (batch, HV, V)`` with unit inner stride; ``g (batch, HV)``
     or ``(batch, HV, K)`` (unit inner stride); ``beta (batch, HV)``; ``slot_indices (batch,)``
     int or None; ``seed_tensor``: a one-element device tensor read instead of ``seed``, or None;
-    ``slot_flags``: int32 ``(nslots,)`` the kernel ORs ``SLOT_NONFINITE`` into, or None.
+    ``slot_flags``: int32 ``(nslots,)`` the kernel ORs ``SLOT_NONFINITE`` into, or None;
+    ``fused``: the fused arithmetic of row and head scales (None: ``FUSED_ON_GPU`` on a GPU, off
+    under the interpreter).
     """
     grid, args, constexprs = _arguments(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor,
                                         qk_scale=qk_scale, dtype_code=dtype_code, granularity=granularity,
                                         stochastic=stochastic, qmax=qmax, emax=emax, use_qk_l2norm=use_qk_l2norm,
-                                        pad_slot_id=pad_slot_id, slot_flags=slot_flags)
+                                        pad_slot_id=pad_slot_id, slot_flags=slot_flags, fused=fused)
     _launch(grid, args, constexprs, state.is_cuda)
 
 
@@ -101,7 +109,7 @@ def prepare(leading, *args, **kwargs) -> Optional[PreparedLaunch]:
 
 def _arguments(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor, *, qk_scale: float,
                dtype_code: int, granularity: int, stochastic: bool, qmax: float, emax: int, use_qk_l2norm: bool,
-               pad_slot_id: int, slot_flags=None) -> tuple:
+               pad_slot_id: int, slot_flags=None, fused=None) -> tuple:
     """``(grid, args, constexprs)`` of :func:`launch`."""
     batch, num_v_heads, V = v.shape
     nslots, _, _, K = state.shape
@@ -109,7 +117,7 @@ def _arguments(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, se
     out_bf16 = out.dtype == torch.bfloat16
     grid, constexprs = _plan(state.element_size(), K, V, num_v_heads, batch, state.device, dtype_code, granularity,
                              stochastic, qmax, emax, channel, use_qk_l2norm, slot_indices is not None,
-                             seed_tensor is not None, out_bf16, slot_flags is not None)
+                             seed_tensor is not None, out_bf16, slot_flags is not None, fused)
     if granularity == codec.GRAN_HEAD:
         scale_strides = (*state_scale.stride()[:2], 0)
     elif granularity != codec.GRAN_NONE:

@@ -4,6 +4,8 @@ docstring says what a program does."""
 import triton
 import triton.language as tl
 
+from ..common import codec
+from ..common.constants import GRAN_HEAD, GRAN_ROW
 from ..common.slot_flags import flag_nonfinite
 from . import tile
 
@@ -19,8 +21,12 @@ def _conventional_kernel(
     DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
     EMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SEED_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr, HAS_FLAGS: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # FUSED (row and head scales, round to nearest): fewer, slightly less exact steps
+    # (kernels/gated_delta/README.md#fused-path); GDN's decay joins the old scale.
+    FUSED_CODEC: tl.constexpr = FUSED and (GRAN == GRAN_ROW or GRAN == GRAN_HEAD) and not STOCHASTIC
+    FOLD_SCALE: tl.constexpr = FUSED_CODEC and not CHANNEL
     v_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -43,12 +49,22 @@ def _conventional_kernel(
         v = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0).to(tl.float32)
         head = slot * s_state_slot + h * s_state_head
         scale_head = slot * s_scale_slot + h * s_scale_head
-        S = tile.load_tile(state_ptr + head, scale_ptr + scale_head, rows, cols, row_mask, K, s_state_row,
-                           s_scale_row, DTYPE, GRAN, HW, BLOCK_V, BLOCK_K)  # [BLOCK_V, BLOCK_K]
-        # The references' order: S·diag(α), then d = β(v − S k̂), then S + d k̂ᵀ.
-        S = tile.apply_decay(S, alpha, CHANNEL)
-        d = beta * (v - tl.sum(S * k[None, :], axis=1))  # [BLOCK_V]
-        S = S + d[:, None] * k[None, :]
+        if FOLD_SCALE:
+            codes, old_scale = tile.load_raw(state_ptr + head, scale_ptr + scale_head, rows, cols, row_mask, K,
+                                             s_state_row, s_scale_row, GRAN, BLOCK_K)
+            values = codec.decode(codes, DTYPE, HW)  # [BLOCK_V, BLOCK_K]
+            factor = alpha * old_scale  # [BLOCK_V] row scales, a scalar head scale
+            d = beta * (v - factor * tl.sum(values * k[None, :], axis=1))  # [BLOCK_V]
+            if GRAN == GRAN_ROW:
+                factor = factor[:, None]
+            S = tl.fma(values, factor, d[:, None] * k[None, :])
+        else:
+            S = tile.load_tile(state_ptr + head, scale_ptr + scale_head, rows, cols, row_mask, K, s_state_row,
+                               s_scale_row, DTYPE, GRAN, HW, BLOCK_V, BLOCK_K)  # [BLOCK_V, BLOCK_K]
+            # The references' order: S·diag(α), then d = β(v − S k̂), then S + d k̂ᵀ.
+            S = tile.apply_decay(S, alpha, CHANNEL)
+            d = beta * (v - tl.sum(S * k[None, :], axis=1))  # [BLOCK_V]
+            S = S + d[:, None] * k[None, :]
         o = tl.sum(S * q[None, :], axis=1)
         if HAS_FLAGS:
             # Every element of the new state reaches o (NaN·x and ±inf·0 are NaN).
@@ -57,5 +73,10 @@ def _conventional_kernel(
         if STOCHASTIC and SEED_FROM_PTR:
             seed = tl.load(seed_ptr)
         noise_rows = (slot * num_v_heads + h) * V + rows
-        tile.store_tile(S, row_mask, state_ptr + head, scale_ptr + scale_head, rows, cols, s_state_row, s_scale_row,
-                        noise_rows, seed, K, DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, BLOCK_V, BLOCK_K)
+        if FUSED_CODEC:
+            tile.store_tile_fused(S, row_mask, state_ptr + head, scale_ptr + scale_head, rows, cols, s_state_row,
+                                  s_scale_row, K, DTYPE, GRAN, QMAX, EMAX, HW, BLOCK_V, BLOCK_K)
+        else:
+            tile.store_tile(S, row_mask, state_ptr + head, scale_ptr + scale_head, rows, cols, s_state_row,
+                            s_scale_row, noise_rows, seed, K, DTYPE, GRAN, STOCHASTIC, QMAX, EMAX, HW, BLOCK_V,
+                            BLOCK_K)

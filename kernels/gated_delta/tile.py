@@ -228,6 +228,37 @@ def store_tile(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, s_scal
 
 
 @triton.jit
+def store_tile_fused(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, s_scale_row, K,
+                     DTYPE: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, EMAX: tl.constexpr,
+                     HW: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`store_tile` for 8-bit row or head scales with round to nearest, in fewer steps:
+    ``scale = amax · RN(1/QMAX)``, its approximate reciprocal, codes from ``values · recip``
+    rounded once (``codec.encode_product``; int8 skips the clamp where no scale of the tile
+    reached its upper bound). A code can land one grid step from :func:`store_tile`'s where the
+    quotient lies within an ulp of a rounding boundary. ``values`` must be zero outside
+    ``row_mask`` and K (the conventional step's are: codes load as 0 there, q̂ and k̂ are 0 past K)."""
+    mask = row_mask[:, None] & (cols[None, :] < K)
+    magnitude = tl.abs(values)
+    if GRAN == GRAN_ROW:
+        scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(magnitude, axis=1), QMAX, EMAX)  # [BLOCK_V]
+        tl.store(scale_ptr + rows * s_scale_row, scale, mask=row_mask)
+        recip = recip[:, None]
+        unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
+    else:
+        scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX)
+        tl.store(scale_ptr + rows * 0, tl.zeros([BLOCK_V], tl.float32) + scale, mask=row_mask & (rows == 0))
+    if DTYPE == INT8:
+        # Below the scales' upper bound every |values · recip| rounds to at most QMAX.
+        if unclamped:
+            codes = codec.encode_product(values, recip, 0.0, QMAX, DTYPE, False, HW, False)
+        else:
+            codes = codec.encode_product(values, recip, 0.0, QMAX, DTYPE, False, HW, True)
+    else:
+        codes = codec.encode_product(values, recip, 0.0, QMAX, DTYPE, False, HW, True)
+    tl.store(codes_ptr + rows[:, None] * s_row + cols[None, :], codes, mask=mask)
+
+
+@triton.jit
 def store_output(out_ptr, o, rows, mask, OUT_BF16: tl.constexpr, HW: tl.constexpr):
     """A row of outputs; bf16 goes through the codec as bits (``out_ptr`` an int16 view): the
     interpreter's own fp32 → bf16 cast does not round to nearest."""
