@@ -244,7 +244,8 @@ def encode_saturating(v, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC:
     and later; Triton has no e4m3 cast below) clamps finite values and inf to ±448 itself, so
     with round to nearest the clamp is left to it: two instructions per element fewer. A NaN
     then gives a NaN code, as the reference's clamp-then-cast does (the clamp's max/min would
-    give −448). fp16 takes the same route through an inline ``cvt.rn.satfinite.f16x2.f32``."""
+    give −448). fp16 and bf16 take the same route through an inline ``cvt.rn.satfinite.f16x2.f32``
+    (``.bf16x2.f32``)."""
     if HW and DTYPE == constants.FP8_E4M3 and not STOCHASTIC:
         codes = encode(v, u, DTYPE, STOCHASTIC, HW)
     elif HW and DTYPE == constants.FP16 and not STOCHASTIC:
@@ -252,6 +253,10 @@ def encode_saturating(v, u, QMAX: tl.constexpr, DTYPE: tl.constexpr, STOCHASTIC:
         # rounding, the codes of clamping first; Triton's own cast has no such form.
         codes = tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [v],
                                           dtype=tl.float16, is_pure=True, pack=2)
+    elif HW and DTYPE == constants.BF16 and not STOCHASTIC:
+        # And for bf16 (clamped to the largest finite bf16), stored as its bits.
+        codes = tl.inline_asm_elementwise("cvt.rn.satfinite.bf16x2.f32 $0, $2, $1;", "=r,r,r", [v],
+                                          dtype=tl.bfloat16, is_pure=True, pack=2).to(tl.int16, bitcast=True)
     else:
         codes = encode(saturate(v, QMAX), u, DTYPE, STOCHASTIC, HW)
     return codes

@@ -200,9 +200,8 @@ def store_tile(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, s_scal
         codes = values
         stored = values
     elif GRAN == GRAN_NONE:
-        saturated = codec.saturate(values, QMAX)
-        codes = codec.encode(saturated, u, DTYPE, STOCHASTIC, HW)
-        stored = _grid_values(saturated, DTYPE)
+        codes = codec.encode_saturating(values, u, QMAX, DTYPE, STOCHASTIC, HW)
+        stored = _grid_values(codec.saturate(values, QMAX), DTYPE)
     else:
         magnitude = tl.where(mask, tl.abs(values), 0.0)
         if GRAN == GRAN_ROW:
