@@ -215,10 +215,9 @@ def check_graph(device, batch=64, steps=20):
 def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
-    f2, r2 = check_variant(check_conventional, device, "conventional", "fused", FUSED_ON_GPU=True)
+    f2, r2 = check_variant(check_conventional, device, "conventional", "references' order", FUSED_ON_GPU=False)
     f3, r3 = check_replay(device)
-    f4, r4 = check_variant(check_replay, device, "replay", "chunked", MIN_PROGRAMS=0, MIN_FLUSH_PROGRAMS=0,
-                           FLUSH_BATCH_ROWS=16)
+    f4, r4 = check_variant(check_replay, device, "replay", "chunked", MIN_PROGRAMS=0)
     return f1 + f2 + f3 + f4 + check_graph(device), r1 + r2 + r3 + r4
 
 
@@ -245,9 +244,8 @@ def launcher_constants(module, **constants):
 
 def check_variant(check, device, module, tag, **constants):
     """``check(device)`` with launcher constants set, for code its default plans do not reach: the
-    conventional kernel's ``FUSED_ON_GPU``; the replay launcher's ``MIN_PROGRAMS=0`` (``V_LOOP``
-    chunks per program, the sweep's result reused across them) and ``MIN_FLUSH_PROGRAMS=0`` with
-    ``FLUSH_BATCH_ROWS`` (flush programs over several rows), which its small grids never reach."""
+    conventional kernel's references' order (``FUSED_ON_GPU=False``); the replay launcher's ``MIN_PROGRAMS=0`` (``V_LOOP``
+    chunks per program, the sweep's result reused across them), which its small grids never reach."""
     with launcher_constants(module, **constants):
         failures, report = check(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
@@ -377,7 +375,6 @@ REPLAY_SWEEP = {
     "flush-ieee": {"FOLD_PRECISION": "ieee"},
     "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
     "flush-128x4w": {"FLUSH_WARPS": 4},
-    "flush-16rows": {"FLUSH_BATCH_ROWS": 16},
 }
 
 

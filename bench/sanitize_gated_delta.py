@@ -1,10 +1,10 @@
 """Every gated delta rule kernel once or a few times at small shapes, for ``compute-sanitizer``
 (``CHECKS.md``): the conventional step over every state format and both gate kinds (padding
-rows, slots out of order, partial and whole tiles, ``slot_flags``; 8-bit row and head scales
-also in the fused arithmetic), the replay step and its flush at staggered cursors (8-bit and
-16-bit read copies, 16-bit checkpoints, a batch of 130 rows that takes the large-batch launch,
-its flush programs walking several rows), verify and commit with early flushes, the per-draft
-baseline, and the replay ops on slots whose cursor memory holds garbage.
+rows, slots out of order, partial and whole tiles, ``slot_flags``; on a GPU 8-bit row and head
+scales take the fused arithmetic), the replay step and its flush at staggered cursors (8-bit and
+16-bit read copies, 16-bit checkpoints, a batch of 130 rows that takes the large-batch launch),
+verify and commit with early flushes, the per-draft baseline, and the replay ops on slots whose
+cursor memory holds garbage.
 
     compute-sanitizer --tool memcheck python3 -m bench.sanitize_gated_delta
 
@@ -20,13 +20,10 @@ import torch
 import qstate
 from qstate import SLOT_BAD_CURSOR, GatedDeltaReplayCache, quantize
 
-from .cases_gated_delta import launcher_constants
 from .sanitize import arguments, check_finite, run_groups
 
 CONVENTIONAL_FORMATS = ("fp32", "bf16", "fp16", "bf16+sr", "fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head",
                         "fp8_e4m3:head", "int8:block32", "fp8_e4m3:block32", "int8:row+sr")
-# Formats whose conventional step has a fused path (8-bit row and head scales, round to nearest).
-FUSED_FORMATS = ("fp8_e4m3:row", "fp8_e5m2:row", "int8:row", "int8:head", "fp8_e4m3:head")
 # (checkpoint, read copy) of the replay caches: every read format and each checkpoint dtype.
 REPLAY_FORMATS = (("fp32", None), ("fp32", "fp8_e4m3:row"), ("fp32", "int8:row"), ("bf16", "fp8_e5m2:row"),
                   ("fp16", "bf16"))
@@ -102,8 +99,7 @@ def _check_flags(name, cache, garbage, failures):
 def replay(device, formats, failures, garbage=False, shapes=SHAPES, gates=GATES, large=True) -> int:
     """Decode steps with staggered admissions (slot s joins at step s, so rows flush on different
     steps), a padding row in each call, and with ``large`` a call of ``LARGE_BATCH`` rows (8
-    distinct slots, the rest padding) whose flush programs walk ``FLUSH_BATCH_ROWS`` rows each
-    (the last program's partly past the batch)."""
+    distinct slots, the rest padding)."""
     g = torch.Generator().manual_seed(3)
     calls = 0
     for shape in shapes:
@@ -121,9 +117,8 @@ def replay(device, formats, failures, garbage=False, shapes=SHAPES, gates=GATES,
                 if large:
                     rows = torch.full((LARGE_BATCH,), -1, device=device)
                     rows[LARGE_BATCH - SLOTS:] = torch.arange(SLOTS, device=device)
-                    with launcher_constants("replay", MIN_FLUSH_PROGRAMS=0, FLUSH_BATCH_ROWS=16):
-                        qstate.gated_delta_replay(cache, **_inputs(g, LARGE_BATCH, shape, gate, device,
-                                                                   torch.bfloat16), slot_indices=rows)
+                    qstate.gated_delta_replay(cache, **_inputs(g, LARGE_BATCH, shape, gate, device, torch.bfloat16),
+                                              slot_indices=rows)
                     calls += 1
                 _check_flags(f"replay {ck}/{rd} {gate} {shape}", cache, garbage, failures)
     return calls
@@ -189,15 +184,8 @@ def main(argv=None) -> int:
     rep = REPLAY_FORMATS[1:2] if quick else REPLAY_FORMATS
     base = BASELINE_FORMATS[2:] if quick else BASELINE_FORMATS
     failures: list[str] = []
-    fused = tuple(f for f in conv if f in FUSED_FORMATS)
-
-    def conventional_fused():
-        with launcher_constants("conventional", FUSED_ON_GPU=True):
-            return conventional(device, fused, failures)
-
     return run_groups("sanitize_gated_delta", (
         ("conventional", lambda: conventional(device, conv, failures)),
-        ("conventional, fused arithmetic", conventional_fused),
         ("replay", lambda: replay(device, rep, failures)),
         ("speculative", lambda: speculative(device, rep, failures)),
         ("baseline", lambda: baseline(device, base, failures)),

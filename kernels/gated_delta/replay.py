@@ -19,18 +19,17 @@ and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
   program, then each chunk streams its rows. The state is read once, in the read copy's format,
   and nothing but the ring entry is written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
-  its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, cdiv(batch, BATCH_ROWS))``,
-  each program folding the flushing rows among ``BATCH_ROWS`` consecutive ones: it loads the
-  ring's ``L − 1`` tokens and the current one and folds them into the checkpoint's tile, from
-  the checkpoint itself, in matrix form (the products in ``FOLD_PRECISION`` on a GPU). With
-  ``Γ_j`` the summed log-gates up to token j (per key channel for KDA), the reads
-  ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections ``D = β (V_ring − W)(I + B)⁻ᵀ``
-  (``B_ji = β_j k̂_j·k̂_i e^{Γ_j − Γ_i}`` for ``i < j``: how an earlier correction reaches a
-  later read) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j`` equal the token-by-token fold
-  (``S ← S diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``) up to the order of the sums, in
-  three matrix products instead of ``L`` serial rank-1 updates. It appends v, outputs ``S q̂``
-  from the unrounded result, stores it in the checkpoint's format and rebuilds the read copy
-  from the stored checkpoint.
+  its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
+  returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
+  into the checkpoint's tile, from the checkpoint itself, in matrix form (the products in
+  ``FOLD_PRECISION`` on a GPU). With ``Γ_j`` the summed log-gates up to token j (per key
+  channel for KDA), the reads ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
+  ``D = β (V_ring − W)(I + B)⁻ᵀ`` (``B_ji = β_j k̂_j·k̂_i e^{Γ_j − Γ_i}`` for ``i < j``: how an
+  earlier correction reaches a later read) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
+  equal the token-by-token fold (``S ← S diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``)
+  up to the order of the sums, in three matrix products instead of ``L`` serial rank-1
+  updates. It appends v, outputs ``S q̂`` from the unrounded result, stores it in the
+  checkpoint's format and rebuilds the read copy from the stored checkpoint.
 
 The flush decision is each program's own (from the cursor on the device): no host sync, so a
 step can be captured in a CUDA graph. The step kernel's first program of each row writes the
@@ -73,10 +72,6 @@ INTERPRETER_SPLIT = None
 FLUSH_ROWS = 128
 FLUSH_WARPS = 8
 FOLD_PRECISION = "tf32x3"
-# Batch rows per flush program (a power of two ≤ 16), halved while the flush grid has fewer than
-# MIN_FLUSH_PROGRAMS (one program per row until a GPU run times more).
-FLUSH_BATCH_ROWS = 1
-MIN_FLUSH_PROGRAMS = 1024
 # Batches below which both kernels launch with PDL: above, the flush programs it starts early hold
 # registers the step's tail needs (H100 b256 no read +1.6 %; b1 -13 %).
 PDL_BELOW_BATCH = 128
@@ -113,17 +108,13 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
                                                      INTERPRETER_SPLIT[0] if INTERPRETER_SPLIT else None)
-    flush_tiles = sizes.cdiv(V, flush_v) * num_v_heads
-    batch_rows = FLUSH_BATCH_ROWS
-    while batch_rows > 1 and sizes.cdiv(batch, batch_rows) * flush_tiles < MIN_FLUSH_PROGRAMS:
-        batch_rows //= 2
     flush = dict(L=ring_len, M=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                  RD_DTYPE=rd_code, RD_GRAN=rd_gran, RD_QMAX=rd_qmax, RD_EMAX=rd_emax, CK_QMAX=ck_qmax, HW=hw,
                  CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots, OUT_BF16=out_bf16, BLOCK_V=flush_v,
-                 BLOCK_K=block_k, PRECISION=precision, BATCH_ROWS=batch_rows, PDL=use_pdl, num_warps=flush_warps,
+                 BLOCK_K=block_k, PRECISION=precision, PDL=use_pdl, num_warps=flush_warps,
                  **pdl.launch_options(use_pdl))
-    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step,
-            (sizes.cdiv(V, flush_v), num_v_heads, sizes.cdiv(batch, batch_rows)), flush)
+    return ((sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), step, (sizes.cdiv(V, flush_v), num_v_heads, batch),
+            flush)
 
 
 def launch(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scale: float, use_qk_l2norm: bool) -> None:
@@ -166,7 +157,7 @@ def _leading(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, 
 
 def _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scale: float, use_qk_l2norm: bool):
     """``(compiled launch, grid, args, constexprs)`` of the step kernel, then of the flush kernel
-    (the same arguments and the batch)."""
+    (the same arguments)."""
     batch, num_v_heads, V = v.shape
     K = k.shape[2]
     ck_fmt, rd_fmt = cache.checkpoint_format, cache.read_format
@@ -185,4 +176,4 @@ def _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scal
             float(qk_scale), cache.num_slots, k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1],
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2],
             *out.stride()[:2])
-    return (_step, grid, args, step), (_flush, flush_grid, args + (batch,), flush)
+    return (_step, grid, args, step), (_flush, flush_grid, args, flush)

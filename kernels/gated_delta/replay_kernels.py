@@ -207,38 +207,29 @@ def _replay_flush_kernel(
     ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
     row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
-    s_beta_batch, s_beta_head, s_out_batch, s_out_head, batch,
+    s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
     CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, BATCH_ROWS: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The flushing rows (cursor ``L − 1``) among ``BATCH_ROWS`` (a power of two ≤ 16) consecutive
-    batch rows: the ring's ``L − 1`` tokens and the current one folded into ``BLOCK_V`` rows of the
-    checkpoint, from the checkpoint itself, in matrix form (``ring.fold_rows``); the output of the
-    new, unrounded state; the checkpoint stored and the read copy rebuilt from it. The rows'
-    cursors come from the step kernel's ``row_cursor`` in one load, so the rows' first program can
-    move the slots' cursors on to ``n + 1`` (0 after the flush) while the others still decide by
-    them; a row that does not flush costs nothing more."""
+    """The flushing rows (cursor ``L − 1``): the ring's ``L − 1`` tokens and the current one
+    folded into ``BLOCK_V`` rows of the checkpoint, from the checkpoint itself, in matrix form
+    (``ring.fold_rows``); the output of the new, unrounded state; the checkpoint stored and the
+    read copy rebuilt from it. Every other row returns after two loads. The cursor comes from the
+    step kernel's ``row_cursor``, so the row's first program can move the slot's cursor on to
+    ``n + 1`` (0 after the flush) while the others still decide by it."""
     pdl.grid_dependency(PDL)
-    v_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    first = tl.program_id(2) * BATCH_ROWS
-    offsets = tl.arange(0, BATCH_ROWS)
-    rows_b = first + offsets
-    n = tl.load(row_cursor_ptr + rows_b, mask=rows_b < batch, other=NO_CURSOR)  # [BATCH_ROWS]
-    if (v_tile == 0) & (h == 0):
-        slots = tile.slots_of(slot_ptr, rows_b, batch, HAS_SLOTS)
-        tl.store(cursor_ptr + slots, tl.where(n + 1 == L, 0, n + 1), mask=n != NO_CURSOR)
-    # One bit per flushing row: the walk below tests bits, not loads.
-    flushing = tl.sum(tl.where(n == L - 1, 1 << offsets, 0), axis=0)
-    for i in range(BATCH_ROWS):
-        if ((flushing >> i) & 1) != 0:
-            b = first + i
-            _flush_tile(b, tile.slot_of(slot_ptr, b, HAS_SLOTS), v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-                        out_ptr, ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
-                        flags_ptr, qk_scale, num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head,
-                        s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head,
-                        s_out_batch, s_out_head, L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX,
-                        CK_QMAX, HW, CHANNEL, L2NORM, OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)
+    b = tl.program_id(2)
+    n = tl.load(row_cursor_ptr + b)
+    slot = tile.slot_of(slot_ptr, b, HAS_SLOTS)
+    if (n != NO_CURSOR) & (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(cursor_ptr + slot, tl.where(n + 1 == L, 0, n + 1))
+    if n == L - 1:
+        _flush_tile(b, slot, tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr,
+                    read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
+                    num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
+                    s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+                    L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM,
+                    OUT_BF16, BLOCK_V, BLOCK_K, PRECISION)

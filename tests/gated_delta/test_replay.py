@@ -123,13 +123,10 @@ def test_against_decode_replay_end_to_end(channel):
 def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, chunked):
     """Slots advanced to different cursors, then steps over all of them with padding rows; a
     mid-stream reset starts its slot afresh; untouched slots stay bit for bit. ``chunked``: the
-    GPU's shape, V in tiles of 4 rows (the flush's too), 2 chunks a step program, 2 batch rows a
-    flush program (a call of 3 rows leaves the last program's second row past the batch)."""
+    GPU's shape, V in tiles of 4 rows (the flush's too), 2 chunks a step program."""
     from qstate.kernels.gated_delta import replay
     if chunked:
         monkeypatch.setattr(replay, "INTERPRETER_SPLIT", (4, 2))
-        monkeypatch.setattr(replay, "FLUSH_BATCH_ROWS", 2)
-        monkeypatch.setattr(replay, "MIN_FLUSH_PROGRAMS", 0)
     L = 4
     cache = allocate(5, channel=True, ring_len=L, read="fp8_e4m3:row")
     cache.reset(range(5), torch.randn(5, 2, 16, 32, generator=torch.Generator().manual_seed(9)))
