@@ -244,8 +244,9 @@ def launcher_constants(module, **constants):
 
 def check_variant(check, device, module, tag, **constants):
     """``check(device)`` with launcher constants set, for code its default plans do not reach: the
-    conventional kernel's references' order (``FUSED_ON_GPU=False``); the replay launcher's ``MIN_PROGRAMS=0`` (``V_LOOP``
-    chunks per program, the sweep's result reused across them), which its small grids never reach."""
+    conventional kernel's references' order (``FUSED_ON_GPU=False``); the replay launcher's
+    ``MIN_PROGRAMS=0`` (``V_LOOP`` chunks per program, the sweep's result reused across them),
+    which its small grids never reach."""
     with launcher_constants(module, **constants):
         failures, report = check(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
@@ -365,9 +366,9 @@ CONVENTIONAL_SWEEP = {
              "32x2w": {_ROWS: {codec.FP32: (32, 2)}}},
     "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}},
     "int8:row": {"default": {}, "32x2w": {_ROWS: {codec.INT8: (32, 2)}}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}},
-                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "fused": {"FUSED_ON_GPU": True}},
+                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "references-order": {"FUSED_ON_GPU": False}},
     "fp8_e4m3:row": {"default": {}, "32x2w": {_ROWS: {codec.FP8_E4M3: (32, 2)}},
-                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}, "fused": {"FUSED_ON_GPU": True}},
+                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}, "references-order": {"FUSED_ON_GPU": False}},
 }
 REPLAY_SWEEP = {
     "default": {},

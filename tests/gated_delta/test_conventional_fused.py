@@ -23,7 +23,8 @@ from qstate import formats
 from qstate.kernels.common import codec
 from qstate.kernels.gated_delta import conventional
 
-from helpers.gated_delta import bits_of, rel_rms, stored_state, token
+from helpers.codes import assert_padding_and_untouched_slots, assert_poison_stays_in_its_slot, grid_steps_apart
+from helpers.gated_delta import rel_rms, stored_state, token
 
 U = 2.0**-24
 FUSED_FORMATS = ["int8:row", "fp8_e4m3:row", "fp8_e5m2:row", "int8:head", "fp8_e4m3:head", "fp8_e5m2:head"]
@@ -37,15 +38,6 @@ def _launch(state, scale, fmt, inp, *, fused, slot_indices=None, pad_slot_id=-1)
                         granularity=codec.granularity_code(fmt), stochastic=False, qmax=codec.qmax(fmt),
                         emax=codec.emax(fmt), use_qk_l2norm=True, pad_slot_id=pad_slot_id, fused=fused)
     return out
-
-
-def _grid_steps_apart(kernel, expected, fmt):
-    """How many grid steps separate two code tensors (int8: integers; fp8: sign-magnitude bits)."""
-    if fmt.dtype == "int8":
-        return (kernel.int() - expected.int()).abs()
-    a, b = kernel.view(torch.uint8).int(), expected.view(torch.uint8).int()
-    signed = lambda c: torch.where(c >= 128, -(c - 128), c)  # noqa: E731
-    return (signed(a) - signed(b)).abs()
 
 
 def _magnitudes(values, inp):
@@ -74,7 +66,7 @@ def test_fused_steps_within_a_grid_step_of_the_references_order(text, channel):
         state[False] = (state[True][0].clone(), state[True][1].clone())
         ref_out = _launch(*state[False], fmt, inp, fused=False)
         out = _launch(*state[True], fmt, inp, fused=True)
-        steps = _grid_steps_apart(state[True][0], state[False][0], fmt)
+        steps = grid_steps_apart(state[True][0], state[False][0], fmt)
         assert steps.max() <= 1, f"step {step}"
         assert (steps > 0).double().mean() <= 1e-3, f"step {step}"
         magnitudes = _magnitudes(values, inp)
@@ -100,7 +92,7 @@ def test_fused_saturation_where_a_scale_is_clamped(text):
         state, scale = q.data.clone(), q.scale.clone()
         out = _launch(state, scale, fmt, inp, fused=fused)
         runs[fused] = (state, scale, out)
-    assert (_grid_steps_apart(runs[True][0], runs[False][0], fmt) <= 1).all()
+    assert (grid_steps_apart(runs[True][0], runs[False][0], fmt) <= 1).all()
     largest = formats.dequantize(formats.QuantizedState(runs[True][0], torch.ones_like(q.scale), fmt))[where]
     assert largest.abs().max().item() == fmt.qmax
     assert runs[True][1][where].item() == 2.0 ** (126 - fmt.emax)
@@ -108,21 +100,12 @@ def test_fused_saturation_where_a_scale_is_clamped(text):
 
 
 def test_fused_inf_and_nan_stay_in_their_slot():
-    """Slots 0 and 2 (outputs, codes, scales) equal a clean run bit for bit."""
+    """Slots 0 and 2 (outputs, codes, scales) equal a clean run bit for bit; slot 1 outputs NaN."""
     fmt = formats.StateFormat.parse("int8:row")
-    q = stored_state(fmt, (3, 2, 8, 32))
     inp = token(3, 1, 2, 32, 8, seed=4)
-    runs = []
-    for poison in (False, True):
-        state, scale = q.data.clone(), q.scale.clone()
-        if poison:
-            scale[1, 0, 2] = float("nan")
-            scale[1, 1, 5] = float("inf")
-        out = _launch(state, scale, fmt, inp, fused=True)
-        runs.append((bits_of(out), bits_of(state), bits_of(scale)))
-    for clean, poisoned in zip(*runs):
-        assert torch.equal(poisoned[[0, 2]], clean[[0, 2]])
-    assert runs[1][0][1].view(torch.float32).isnan().any()
+    out = assert_poison_stays_in_its_slot(stored_state(fmt, (3, 2, 8, 32)),
+                                          lambda state, scale: _launch(state, scale, fmt, inp, fused=True))
+    assert out[1].isnan().any()
 
 
 def test_fused_padding_and_untouched_slots():
@@ -130,11 +113,6 @@ def test_fused_padding_and_untouched_slots():
     fmt = formats.StateFormat.parse("fp8_e4m3:row")
     q = stored_state(fmt, (6, 4, 16, 32))
     state, scale = q.data.clone(), q.scale.clone()
-    inp = token(4, 2, 4, 32, 16, seed=5)
-    out = _launch(state, scale, fmt, inp, fused=True, slot_indices=torch.tensor([3, -1, 0, 5], dtype=torch.int32),
-                  pad_slot_id=5)
-    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
-    for untouched in (1, 2, 4, 5):
-        assert torch.equal(bits_of(state[untouched]), bits_of(q.data[untouched]))
-        assert torch.equal(bits_of(scale[untouched]), bits_of(q.scale[untouched]))
-    assert not out[0].isnan().any() and not out[2].isnan().any()
+    out = _launch(state, scale, fmt, token(4, 2, 4, 32, 16, seed=5), fused=True,
+                  slot_indices=torch.tensor([3, -1, 0, 5], dtype=torch.int32), pad_slot_id=5)
+    assert_padding_and_untouched_slots(out, state, scale, q)

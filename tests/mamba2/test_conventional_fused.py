@@ -22,7 +22,8 @@ from qstate import formats
 from qstate.kernels.common import codec
 from qstate.kernels.mamba2 import conventional
 
-from helpers.conventional import bits_of, kernel_noise, mirror_step, numpy_exp, random_inputs, rel_rms, stored_state
+from helpers.codes import assert_padding_and_untouched_slots, assert_poison_stays_in_its_slot, grid_steps_apart
+from helpers.conventional import kernel_noise, mirror_step, numpy_exp, random_inputs, rel_rms, stored_state
 
 U = 2.0**-24
 FUSED_FORMATS = ["int8:row", "fp8_e4m3:row", "fp8_e5m2:row", "int8:head", "fp8_e4m3:head", "fp8_e5m2:head",
@@ -50,17 +51,8 @@ def _magnitudes(values, inp):
                                                   * Bh[..., None, :]).abs()
 
 
-def _grid_steps_apart(kernel, expected, fmt):
-    """How many grid steps separate two code tensors (int8: integers; fp8: sign-magnitude bits)."""
-    if fmt.dtype == "int8":
-        return (kernel.int() - expected.int()).abs()
-    a, b = kernel.view(torch.uint8).int(), expected.view(torch.uint8).int()
-    signed = lambda c: torch.where(c >= 128, -(c - 128), c)  # noqa: E731
-    return (signed(a) - signed(b)).abs()
-
-
 def _check_step(state, scale, out, expected, y_ref, magnitudes, fmt):
-    steps = _grid_steps_apart(state, expected.data, fmt)
+    steps = grid_steps_apart(state, expected.data, fmt)
     assert steps.max() <= 1
     assert (steps > 0).double().mean() <= 1e-3
     # The scale's argument is a max over the row (head): bound it by the row's largest magnitude.
@@ -104,7 +96,7 @@ def test_fused_saturation_where_a_scale_is_clamped(text):
     y_ref, S_ref = mirror_step(formats.dequantize(q), **inp, exp=numpy_exp)
     expected = formats.quantize(S_ref, fmt)
     assert torch.isfinite(S_ref).all() and S_ref[where].abs().max() > fmt.qmax * 2.0 ** (126 - fmt.emax)
-    assert (_grid_steps_apart(state, expected.data, fmt) <= 1).all()
+    assert (grid_steps_apart(state, expected.data, fmt) <= 1).all()
     assert expected.data[where].float().abs().max().item() == fmt.qmax
     assert not out[1].isnan().any()
 
@@ -112,18 +104,9 @@ def test_fused_saturation_where_a_scale_is_clamped(text):
 def test_fused_inf_and_nan_stay_in_their_slot():
     """Slots 0 and 2 (outputs, codes, scales) equal a clean run bit for bit."""
     fmt = formats.StateFormat.parse("int8:row")
-    q = stored_state(fmt, (3, 2, 8, 32))
     inp = random_inputs(3, 2, 8, 32, 1)
-    runs = []
-    for poison in (False, True):
-        state, scale = q.data.clone(), q.scale.clone()
-        if poison:
-            scale[1, 0, 2] = float("nan")
-            scale[1, 1, 5] = float("inf")
-        out = _launch(state, scale, fmt, inp)
-        runs.append((bits_of(out), bits_of(state), bits_of(scale)))
-    for clean, poisoned in zip(*runs):
-        assert torch.equal(poisoned[[0, 2]], clean[[0, 2]])
+    assert_poison_stays_in_its_slot(stored_state(fmt, (3, 2, 8, 32)),
+                                    lambda state, scale: _launch(state, scale, fmt, inp))
 
 
 def test_fused_padding_and_untouched_slots():
@@ -131,11 +114,6 @@ def test_fused_padding_and_untouched_slots():
     fmt = formats.StateFormat.parse("int8:row")
     q = stored_state(fmt, (6, 4, 16, 32))
     state, scale = q.data.clone(), q.scale.clone()
-    inp = random_inputs(4, 4, 16, 32, 2)
-    out = _launch(state, scale, fmt, inp, slot_indices=torch.tensor([3, -1, 0, 5], dtype=torch.int32),
-                  pad_slot_id=5)
-    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
-    for untouched in (1, 2, 4, 5):
-        assert torch.equal(bits_of(state[untouched]), bits_of(q.data[untouched]))
-        assert torch.equal(bits_of(scale[untouched]), bits_of(q.scale[untouched]))
-    assert not out[0].isnan().any() and not out[2].isnan().any()
+    out = _launch(state, scale, fmt, random_inputs(4, 4, 16, 32, 2),
+                  slot_indices=torch.tensor([3, -1, 0, 5], dtype=torch.int32), pad_slot_id=5)
+    assert_padding_and_untouched_slots(out, state, scale, q)
