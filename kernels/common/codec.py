@@ -55,7 +55,7 @@ In-kernel functions:
   to at most QMAX, so no saturation is needed.
 * ``saturate(v, QMAX: constexpr) -> fp32``: clamp to ``[-QMAX, QMAX]`` (before rounding).
 * ``encode_saturating(v, u, QMAX, DTYPE, STOCHASTIC, HW)``: ``encode(saturate(v))``, the
-  clamp left to the GPU's satfinite e4m3 cast where that is the encoder.
+  clamp left to the GPU's satfinite casts (e4m3, fp16, bf16) with round to nearest.
 * ``encode_product(v, recip, u, QMAX, DTYPE, STOCHASTIC, HW, SATURATE)``: codes of
   ``saturate(v·recip)`` (``SATURATE``; else of ``v·recip``, for callers that know it is in
   range) with the product rounded once (int8: to an integer inside one FMA), not the quotient
