@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import ci_examples
+from helpers.codes import bits_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -58,10 +59,6 @@ def _inputs(fmt: formats.StateFormat, seed: int, heads=3, headdim=8, dstate=96) 
     return x
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 @pytest.mark.parametrize("text", FORMATS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_codec_matches_formats_bit_for_bit(text, seed):
@@ -69,10 +66,10 @@ def test_codec_matches_formats_bit_for_bit(text, seed):
     x = _inputs(fmt, seed)
     codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=1234 + seed, hardware_casts=False)
     expected = formats.quantize(x, fmt, noise=noise)
-    assert torch.equal(_bits(codes), _bits(expected.data))
+    assert torch.equal(bits_of(codes), bits_of(expected.data))
     if fmt.scaled:
-        assert torch.equal(_bits(scale), _bits(expected.scale))
-    assert torch.equal(_bits(values), _bits(formats.dequantize(expected)))
+        assert torch.equal(bits_of(scale), bits_of(expected.scale))
+    assert torch.equal(bits_of(values), bits_of(formats.dequantize(expected)))
 
 
 @pytest.mark.parametrize("text", ["fp8_e4m3:block32", "fp8_e5m2:block32", "int8:block32", "int8:block32+sr"])
@@ -84,8 +81,8 @@ def test_block32_inf_saturates_as_formats_does(text):
     x[0, 1, 3], x[0, 1, 5], x[1, 2, 40] = float("inf"), 100.0, float("-inf")
     codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=7, hardware_casts=False)
     expected = formats.quantize(x, fmt, noise=noise)
-    assert torch.equal(_bits(codes), _bits(expected.data))
-    assert torch.equal(_bits(scale), _bits(expected.scale))
+    assert torch.equal(bits_of(codes), bits_of(expected.data))
+    assert torch.equal(bits_of(scale), bits_of(expected.scale))
     assert values[0, 1, 3] == fmt.qmax * fmt.max_scale and values[1, 2, 40] == -fmt.qmax * fmt.max_scale
 
 
@@ -151,9 +148,9 @@ def test_codec_with_multiword_noise_matches_formats(text, sr_stream, rounds, bit
     codes, scale, noise, values = codec_probe.quantize_heads(x, fmt, seed=77, hardware_casts=False,
                                                             sr_stream=sr_stream, sr_rounds=rounds)
     expected = formats.quantize(x, fmt, noise=noise)
-    assert torch.equal(_bits(codes), _bits(expected.data))
+    assert torch.equal(bits_of(codes), bits_of(expected.data))
     if fmt.scaled:
-        assert torch.equal(_bits(scale), _bits(expected.scale))
+        assert torch.equal(bits_of(scale), bits_of(expected.scale))
     assert noise.min() >= 0 and noise.max() < 1 and abs(noise.mean().item() - 0.5) < 0.03
     assert torch.equal(noise * 2**bits, torch.floor(noise * 2**bits))
 
@@ -173,9 +170,9 @@ def test_sixteen_bit_stream_codes_match_formats(values, text, seed):
     codes, scale, noise, _ = codec_probe.quantize_heads(x, fmt, seed=seed, hardware_casts=False, sr_stream=2,
                                                        sr_rounds=7)
     expected = formats.quantize(x, fmt, noise=noise)
-    assert torch.equal(_bits(codes), _bits(expected.data))
+    assert torch.equal(bits_of(codes), bits_of(expected.data))
     if fmt.scaled:
-        assert torch.equal(_bits(scale), _bits(expected.scale))
+        assert torch.equal(bits_of(scale), bits_of(expected.scale))
 
 
 @pytest.mark.parametrize("value", [1.0 + 0.3 * 2.0**-7, -(1.0 + 0.3 * 2.0**-7), -0.7 * 2.0**-133, 3.0 * 2.0**-140])

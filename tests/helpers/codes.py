@@ -12,7 +12,8 @@ def grid_steps_apart(kernel, expected, fmt):
     return (signed(a) - signed(b)).abs()
 
 
-def _bits(t):
+def bits_of(t):
+    """A tensor's bits as an integer tensor of its element size (for bit-for-bit comparisons)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
@@ -27,7 +28,7 @@ def assert_poison_stays_in_its_slot(q, launch):
             scale[1, 0, 2] = float("nan")
             scale[1, 1, 5] = float("inf")
         out = launch(state, scale)
-        runs.append((out, _bits(out), _bits(state), _bits(scale)))
+        runs.append((out, bits_of(out), bits_of(state), bits_of(scale)))
     for clean, poisoned in zip(runs[0][1:], runs[1][1:]):
         assert torch.equal(poisoned[[0, 2]], clean[[0, 2]])
     return runs[1][0]
@@ -38,6 +39,6 @@ def assert_padding_and_untouched_slots(out, state, scale, q):
     ``q`` (6 slots): rows 1 and 3 output zero, rows 0 and 2 finite, slots 1, 2, 4, 5 unchanged."""
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
     for untouched in (1, 2, 4, 5):
-        assert torch.equal(_bits(state[untouched]), _bits(q.data[untouched]))
-        assert torch.equal(_bits(scale[untouched]), _bits(q.scale[untouched]))
+        assert torch.equal(bits_of(state[untouched]), bits_of(q.data[untouched]))
+        assert torch.equal(bits_of(scale[untouched]), bits_of(q.scale[untouched]))
     assert not out[0].isnan().any() and not out[2].isnan().any()
