@@ -184,6 +184,15 @@ def _grid_values(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A tile's row scales (``scale`` [BLOCK_V]) or its head's one scale (a scalar, stored by row 0)."""
+    if GRAN == GRAN_ROW:
+        tl.store(scale_ptr + rows * s_scale_row, scale, mask=row_mask)
+    else:
+        tl.store(scale_ptr + rows * 0, tl.zeros([BLOCK_V], tl.float32) + scale, mask=row_mask & (rows == 0))
+
+
+@triton.jit
 def store_tile(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, s_scale_row, noise_rows, seed, K,
                DTYPE: tl.constexpr, GRAN: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr,
                EMAX: tl.constexpr, HW: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -206,11 +215,11 @@ def store_tile(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, s_scal
         magnitude = tl.where(mask, tl.abs(values), 0.0)
         if GRAN == GRAN_ROW:
             scale = codec.scale_from_amax(tl.max(magnitude, axis=1), QMAX, EMAX, GRAN)  # [BLOCK_V]
-            tl.store(scale_ptr + rows * s_scale_row, scale, mask=row_mask)
+            _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
             scale_tile = tl.broadcast_to(scale[:, None], [BLOCK_V, BLOCK_K])
         elif GRAN == GRAN_HEAD:
             scale = codec.scale_from_amax(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX, GRAN)
-            tl.store(scale_ptr + rows * 0, tl.zeros([BLOCK_V], tl.float32) + scale, mask=row_mask & (rows == 0))
+            _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
             scale_tile = tl.zeros([BLOCK_V, BLOCK_K], tl.float32) + scale
         else:
             NB: tl.constexpr = BLOCK_K // 32
@@ -240,12 +249,12 @@ def store_tile_fused(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, 
     magnitude = tl.abs(values)
     if GRAN == GRAN_ROW:
         scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(magnitude, axis=1), QMAX, EMAX)  # [BLOCK_V]
-        tl.store(scale_ptr + rows * s_scale_row, scale, mask=row_mask)
+        _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
         recip = recip[:, None]
         unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
     else:
         scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX)
-        tl.store(scale_ptr + rows * 0, tl.zeros([BLOCK_V], tl.float32) + scale, mask=row_mask & (rows == 0))
+        _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
     if DTYPE == INT8:
         # Below the scales' upper bound every |values · recip| rounds to at most QMAX.
         if unclamped:
