@@ -6,6 +6,8 @@ then timing under CUDA-graph replay with a cold L2. See bench/README.md for how 
 
 Writes ``DIR/<group>.json`` (``--out`` defaults to bench/results/) and prints the markdown
 table; ``python3 -m bench.harness DIR/<group>.json`` writes that table into bench/TABLES.md.
+While the cases run, each timed row is also in ``DIR/<group>.partial.json`` (``"complete":
+false``), so a run killed part way keeps what it timed; a finished run removes those files.
 Case modules register themselves on import: add yours to ``CASE_MODULES``.
 """
 
@@ -54,6 +56,15 @@ def main(argv=None) -> int:
                              "(comma-separated, e.g. gated_delta); default: every module's")
     parser.add_argument("--only", default=None, help="time only cases whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
+    try:  # before any long work: an unwritable --out would lose every result at the end
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".run_gpu-write-probe")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        print(f"run_gpu: --out: expected a writable directory, got {args.out!r} ({err})", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("run_gpu: no CUDA device", file=sys.stderr)
         return 2
@@ -114,6 +125,9 @@ def main(argv=None) -> int:
         row = dict(group=case.group, name=case.name, params=case.params, us=us, bytes=case.bytes_moved, gbs=gbs,
                    pct_copy=100 * gbs / ceiling)
         by_group.setdefault(case.group, []).append(row)
+        harness.write_json(_partial_path(args.out, case.group),
+                           dict(_payload(case.group, env, command, ceiling, read_ceiling, by_group[case.group], checks,
+                                         {}, failures), complete=False))
         print(f"{case.name:55s} {case.params.get('block_p', '')!s:>3} {case.params.get('num_warps', '')!s:>2} "
               f"{us:9.1f} us {gbs:7.0f} GB/s {row['pct_copy']:5.1f} %", flush=True)
     # The clocks may still have been ramping at the first measurement: take the better of two.
@@ -141,15 +155,22 @@ def main(argv=None) -> int:
                 continue
             print("eager", module.__name__, extras[module.__name__], flush=True)
 
-    os.makedirs(args.out, exist_ok=True)
     for group, rows in by_group.items():
-        payload = dict(key=group, environment=env, command=command, copy_ceiling_gbs=ceiling,
-                       read_ceiling_gbs=read_ceiling, results=rows,
-                       checks=checks, eager=extras, failures=failures)
-        path = os.path.join(args.out, f"{group}.json")
-        harness.write_json(path, payload)
+        payload = _payload(group, env, command, ceiling, read_ceiling, rows, checks, extras, failures)
+        harness.write_json(os.path.join(args.out, f"{group}.json"), payload)
+        os.remove(_partial_path(args.out, group))
         print(harness.markdown_table(payload), flush=True)
     return 1 if failures else 0
+
+
+def _partial_path(out: str, group: str) -> str:
+    return os.path.join(out, f"{group}.partial.json")
+
+
+def _payload(group, env, command, ceiling, read_ceiling, rows, checks, eager, failures) -> dict:
+    """What ``<group>.json`` holds (``bench.harness.markdown_table`` reads it)."""
+    return dict(key=group, environment=env, command=command, copy_ceiling_gbs=ceiling, read_ceiling_gbs=read_ceiling,
+                results=rows, checks=checks, eager=eager, failures=failures)
 
 
 if __name__ == "__main__":

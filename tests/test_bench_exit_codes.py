@@ -118,3 +118,56 @@ def test_run_gpu_refuses_checks_that_name_no_module_before_any_work(monkeypatch,
     _no_timing(monkeypatch)
     assert run_gpu.main(["--out", str(tmp_path), "--checks", "gamma"]) == 2
     assert calls == [] and "--checks" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def _two_cases(monkeypatch, time_case):
+    import torch
+
+    from bench import harness
+
+    cases = [harness.Case("probe", f"probe/{i}", {}, 1000, lambda: None, lambda buffers: None) for i in range(2)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
+    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
+    monkeypatch.setattr(harness, "copy_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "cases", lambda device, groups: cases)
+    monkeypatch.setattr(harness, "time_case", time_case)
+    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+
+
+def test_run_gpu_killed_part_way_keeps_the_rows_it_timed(monkeypatch, tmp_path):
+    """A run cut off (a timeout, ^C) after its first case: that row is on disk, marked incomplete,
+    and no ``<group>.json`` pretends the run finished."""
+    import json
+
+    def time_case(case):
+        if case.name == "probe/1":
+            raise KeyboardInterrupt
+        return 10.0
+
+    _two_cases(monkeypatch, time_case)
+    with pytest.raises(KeyboardInterrupt):
+        run_gpu.main(["--out", str(tmp_path), "--skip-checks"])
+    payload = json.loads((tmp_path / "probe.partial.json").read_text())
+    assert payload["complete"] is False and [r["name"] for r in payload["results"]] == ["probe/0"]
+    assert not (tmp_path / "probe.json").exists()
+
+
+def test_run_gpu_finished_writes_the_group_and_removes_its_partial_file(monkeypatch, tmp_path):
+    import json
+
+    _two_cases(monkeypatch, lambda case: 10.0)
+    assert run_gpu.main(["--out", str(tmp_path), "--skip-checks"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["probe.json"]
+    payload = json.loads((tmp_path / "probe.json").read_text())
+    assert [r["name"] for r in payload["results"]] == ["probe/0", "probe/1"] and "complete" not in payload
+
+
+def test_run_gpu_refuses_an_unwritable_out_before_any_work(monkeypatch, tmp_path, capsys):
+    timed = []
+    _two_cases(monkeypatch, lambda case: timed.append(case) or 10.0)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert run_gpu.main(["--out", str(blocker / "results"), "--skip-checks"]) == 2
+    assert timed == [] and "--out" in capsys.readouterr().err
