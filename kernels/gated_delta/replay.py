@@ -64,8 +64,6 @@ WARPS = 1
 V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
 PREFETCH = False
-# Sweep the ring two tokens per round of dependent K-sums (a latency chain at small batch).
-SWEEP_PAIRS = False
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's V tiles and chunks.
 INTERPRETER_SPLIT = None
@@ -105,8 +103,7 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     use_pdl = pdl.enabled(device) and batch < PDL_BELOW_BATCH
     step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH,
-                SWEEP_PAIRS=SWEEP_PAIRS, PDL=use_pdl,
+                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, PDL=use_pdl,
                 num_warps=warps, **pdl.launch_options(use_pdl))
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",

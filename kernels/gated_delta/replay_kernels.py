@@ -29,66 +29,19 @@ def _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NO
 
 
 @triton.jit
-def _sweep_pair(T, c, positions, ka, ra, aa, ba, pa, live_a, kb, rb, ab, bb, pb, live_b, CHANNEL: tl.constexpr):
-    """Tokens a then b (keys as ``r k``) with one round of K-sums on the dependent path: b reads
-    ``α_a ⊙ (T − c_a k̂_a)``, so its sum is ``(α_a k̂_b)·T − c_a (α_a k̂_b)·k̂_a``, whose second
-    term needs only keys. ``live_b`` implies ``live_a``; a dead token changes nothing."""
-    dot_a = tl.sum(ka * T, axis=0)
-    if CHANNEL:
-        w_b = aa * kb
-        dot_b = tl.sum(w_b * T, axis=0)
-        gram = tl.sum(w_b * ka, axis=0)
-    else:
-        dot_b = aa * tl.sum(kb * T, axis=0)
-        gram = aa * tl.sum(kb * ka, axis=0)
-    c_a = ba * ra * dot_a
-    c_b = bb * rb * (dot_b - (c_a * ra) * gram)
-    T_a = aa * (T - (c_a * ra) * ka)
-    T_b = ab * (T_a - (c_b * rb) * kb)
-    everywhere = tl.zeros_like(T) == 0.0
-    T = tl.where(everywhere & live_b, T_b, tl.where(everywhere & live_a, T_a, T))
-    c = tl.where((positions == pa) & live_a, c_a, c)
-    return T, tl.where((positions == pb) & live_b, c_b, c)
-
-
-@triton.jit
-def _ring_entry(i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr):
-    """The ring's ``i``-th newest token: ``(k, r, α, β, position, live)``."""
-    j = tl.maximum(n - 1 - i, 0)
-    kj, rj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
-    return kj, rj, aj, bj, j, i < n
-
-
-@triton.jit
 def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
-           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr, SWEEP_PAIRS: tl.constexpr):
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
     """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
     the ring's ``n`` tokens, newest first, unrolled and masked past the cursor so every ring load
-    issues up front; ``SWEEP_PAIRS``: two tokens per round of dependent K-sums
-    (:func:`_sweep_pair`). Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring
-    position (the current token's at ``n``)."""
+    issues up front. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
+    (the current token's at ``n``)."""
     positions = tl.arange(0, RING_PAD)
-    # A normal row's cursor is at most L − 2, so the ring's live tokens are its L − 2 newest.
-    LIVE: tl.constexpr = L - 2
-    if SWEEP_PAIRS and LIVE > 0:
-        k0, r0, a0, b0, j0, live0 = _ring_entry(0, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
-        T, c = _sweep_pair(q, tl.zeros([RING_PAD], tl.float32), positions, k, 1.0, alpha, beta, n, n >= 0,
-                           k0, r0, a0, b0, j0, live0, CHANNEL)
-        for p in tl.static_range((LIVE - 1) // 2):
-            ka, ra, aa, ba, ja, live_a = _ring_entry(1 + 2 * p, n, ring_k, ring_g, ring_beta, cols, K, L2NORM,
-                                                     CHANNEL)
-            kb, rb, ab, bb, jb, live_b = _ring_entry(2 + 2 * p, n, ring_k, ring_g, ring_beta, cols, K, L2NORM,
-                                                     CHANNEL)
-            T, c = _sweep_pair(T, c, positions, ka, ra, aa, ba, ja, live_a, kb, rb, ab, bb, jb, live_b, CHANNEL)
-        if LIVE % 2 == 0:
-            T, c = _sweep_token(T, c, positions, LIVE - 1, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
-    else:
-        T = q
-        c_now = beta * tl.sum(k * T, axis=0)
-        T = alpha * (T - c_now * k)
-        c = tl.where(positions == n, c_now, 0.0)
-        for i in tl.static_range(LIVE):
-            T, c = _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
+    T = q
+    c_now = beta * tl.sum(k * T, axis=0)
+    T = alpha * (T - c_now * k)
+    c = tl.where(positions == n, c_now, 0.0)
+    for i in tl.static_range(L - 1):
+        T, c = _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
     return T, c
 
 
@@ -102,8 +55,7 @@ def _replay_step_kernel(
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, SWEEP_PAIRS: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.grid_dependency(PDL)
     v_part = tl.program_id(0)
@@ -173,7 +125,7 @@ def _replay_step_kernel(
             codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                          base_scale_ptr, BASE_GRAN, BLOCK_K)
             T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                          RING_PAD, SWEEP_PAIRS)
+                          RING_PAD)
             positions = tl.arange(0, RING_PAD)
             c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
             for chunk in range(V_LOOP):

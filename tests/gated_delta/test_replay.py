@@ -294,23 +294,6 @@ def test_split_chunked_programs_as_on_a_gpu(monkeypatch, channel, ring_len, chec
         check_read_copy(cache)
 
 
-@pytest.mark.parametrize("channel,ring_len,read", [(False, 4, "fp8_e4m3:row"), (True, 5, None), (False, 3, None)])
-def test_sweep_two_tokens_per_round(monkeypatch, channel, ring_len, read):
-    """``SWEEP_PAIRS``: the sweep takes tokens two at a time (one left over at an even ring length),
-    at every cursor of the ring, against the exact recurrence from what the step reads."""
-    from qstate.kernels.gated_delta import replay
-    monkeypatch.setattr(replay, "SWEEP_PAIRS", True)
-    cache = allocate(2, channel=channel, ring_len=ring_len, read=read)
-    cache.reset([0, 1], torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(8)))
-    tracker = Tracker(cache)
-    tracker.step(token(1, 1, 2, 32, 16, channel=channel, seed=40), [1])
-    for t in range(ring_len + 1):
-        inp = token(2, 1, 2, 32, 16, channel=channel, seed=41 + t)
-        _, out, expected = tracker.step(inp, [0, 1])
-        assert rel_rms(out, expected) < bound(32, ring_len), f"step {t}"
-        check_read_copy(cache)
-
-
 # ---------------------------------------------------------------------------- prepared eager launches
 
 
