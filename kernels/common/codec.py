@@ -48,9 +48,10 @@ In-kernel functions:
 * ``scale_from_amax(amax, QMAX: constexpr, EMAX: constexpr, GRAN: constexpr) -> fp32``:
   ``clamp(amax / QMAX, FLT_MIN, 2**(126 - EMAX))``; for block32 the MX rule
   ``2**clamp(floor(log2(amax)) - EMAX, -126, 126 - EMAX)``.
-* ``scale_from_amax_fused(amax, QMAX, EMAX) -> (scale, reciprocal, unclamped)``: row/head
+* ``scale_from_amax_fused(amax, QMAX, EMAX, HW) -> (scale, reciprocal, unclamped)``: row/head
   scales of ``scale_from_amax`` with ``amax · RN(1/QMAX)`` for the quotient (within an ulp of
-  it), an approximate ``1/scale`` (for ``encode_product``), and whether the scale lies below
+  it), an approximate ``1/scale`` (for ``encode_product``; ``HW``: the GPU's ``rcp.approx``, within
+  an ulp; else the quotient), and whether the scale lies below
   the upper clamp (False for inf and NaN): then every ``|v| ≤ amax`` has ``|v·recip|`` round
   to at most QMAX, so no saturation is needed.
 * ``saturate(v, QMAX: constexpr) -> fp32``: clamp to ``[-QMAX, QMAX]`` (before rounding).
@@ -221,9 +222,15 @@ def scale_from_amax(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, GRAN: tl.const
 
 
 @triton.jit
-def scale_from_amax_fused(amax, QMAX: tl.constexpr, EMAX: tl.constexpr):
+def scale_from_amax_fused(amax, QMAX: tl.constexpr, EMAX: tl.constexpr, HW: tl.constexpr):
     s, unclamped = _clamp_scale(amax * (1.0 / QMAX), EMAX)
-    return s, 1.0 / s, unclamped
+    if HW:
+        # One MUFU.RCP: Triton's 1/s is a correctly rounded quotient with a slow-path check.
+        recip = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+    else:
+        recip = 1.0 / s
+    return s, recip, unclamped
 
 
 @triton.jit

@@ -42,8 +42,8 @@ def _conventional_kernel(
         tile.store_output(out_row, tl.zeros([BLOCK_V], tl.float32) + bad, rows, row_mask, OUT_BF16, HW)
     else:
         hk = h // heads_per_group
-        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
-        k = tile.load_key(k_ptr + b * s_k_batch + hk * s_k_head, cols, K, L2NORM)
+        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM, HW) * qk_scale
+        k = tile.load_key(k_ptr + b * s_k_batch + hk * s_k_head, cols, K, L2NORM, HW)
         alpha = tile.decay(g_ptr + b * s_g_batch + h * s_g_head, cols, K, CHANNEL)
         beta = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
         v = tl.load(v_ptr + b * s_v_batch + h * s_v_head + rows, mask=row_mask, other=0.0).to(tl.float32)

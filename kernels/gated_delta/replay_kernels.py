@@ -84,8 +84,8 @@ def _replay_step_kernel(
     else:
         hk = h // heads_per_group
         k_raw = tl.load(k_ptr + b * s_k_batch + hk * s_k_head + cols, mask=cols < K, other=0.0)
-        k = tile.l2_normalized(k_raw.to(tl.float32), L2NORM)
-        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
+        k = tile.l2_normalized(k_raw.to(tl.float32), L2NORM, HW)
+        q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM, HW) * qk_scale
         g_row = g_ptr + b * s_g_batch + h * s_g_head
         alpha = tile.decay(g_row, cols, K, CHANNEL)
         beta = tl.load(beta_ptr + b * s_beta_batch + h * s_beta_head).to(tl.float32)
@@ -189,7 +189,7 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     head = ring_head * V * K
     S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
     S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
-    q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM) * qk_scale
+    q = tile.load_key(q_ptr + b * s_q_batch + hk * s_q_head, cols, K, L2NORM, HW) * qk_scale
     o = tl.sum(S * q[None, :], axis=1)
     # Every element of the new checkpoint reaches o (NaN·x and ±inf·0 are NaN).
     flag_nonfinite(flags_ptr, slot, o, row_mask)

@@ -131,7 +131,8 @@ def _verify_kernel(
         # weighted by 0: its inputs may be NaN or inf.
         Q = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
         for t in tl.static_range(T):
-            Q = tl.where(ts[:, None] == t, (tile.load_key(q_row + t * s_q_t, cols, K, L2NORM) * qk_scale)[None, :], Q)
+            q_t = tile.load_key(q_row + t * s_q_t, cols, K, L2NORM, HW) * qk_scale
+            Q = tl.where(ts[:, None] == t, q_t[None, :], Q)
         c_draft = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)
         for i in tl.static_range(T):
             p = T - 1 - i
@@ -307,8 +308,8 @@ def _drafts_kernel(
         S = tile.load_tile(state_ptr + (slot * num_v_heads + h) * V * K, scale_ptr + (slot * num_v_heads + h) * V,
                            rows, cols, row_mask, K, K, 1, DTYPE, GRAN, HW, BLOCK_V, BLOCK_K)
         for t in tl.static_range(T):
-            q = tile.load_key(q_ptr + b * s_q_b + t * s_q_t + hk * s_q_h, cols, K, L2NORM) * qk_scale
-            k = tile.load_key(k_ptr + b * s_k_b + t * s_k_t + hk * s_k_h, cols, K, L2NORM)
+            q = tile.load_key(q_ptr + b * s_q_b + t * s_q_t + hk * s_q_h, cols, K, L2NORM, HW) * qk_scale
+            k = tile.load_key(k_ptr + b * s_k_b + t * s_k_t + hk * s_k_h, cols, K, L2NORM, HW)
             alpha = tile.decay(g_ptr + b * s_g_b + t * s_g_t + h * s_g_h, cols, K, CHANNEL)
             beta = tl.load(beta_ptr + b * s_beta_b + t * s_beta_t + h * s_beta_h).to(tl.float32)
             v = tl.load(v_ptr + b * s_v_b + t * s_v_t + h * s_v_h + rows, mask=row_mask, other=0.0).to(tl.float32)

@@ -54,12 +54,13 @@ def slots_of(slot_ptr, batch_rows, batch, HAS_SLOTS: tl.constexpr):
 
 
 @triton.jit
-def l2_normalized(x, L2NORM: tl.constexpr):
+def l2_normalized(x, L2NORM: tl.constexpr, HW: tl.constexpr):
     """``x / sqrt(Σx² + eps)`` in fp32 with a correctly rounded root and quotient, as the
-    reference computes it (``x`` fp32, padded with zeros)."""
+    reference computes it (``x`` fp32, padded with zeros). The quotient through one reciprocal
+    (``codec.divide_rn``): a vector a tile broadcasts can hold 16 elements a thread."""
     if L2NORM:
         norm = tl.sqrt_rn(tl.sum(x * x, axis=0) + L2_EPS)
-        x = tl.div_rn(x, tl.zeros_like(x) + norm)
+        x = codec.divide_rn(x, norm, codec.reciprocal_rn(norm), HW)
     return x
 
 
@@ -77,9 +78,9 @@ def load_key_unnormalized(ptr, cols, K, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def load_key(ptr, cols, K, L2NORM: tl.constexpr):
+def load_key(ptr, cols, K, L2NORM: tl.constexpr, HW: tl.constexpr):
     """One key-head vector ``[BLOCK_K]`` in fp32, normalized when ``L2NORM``; zero past K."""
-    return l2_normalized(tl.load(ptr + cols, mask=cols < K, other=0.0).to(tl.float32), L2NORM)
+    return l2_normalized(tl.load(ptr + cols, mask=cols < K, other=0.0).to(tl.float32), L2NORM, HW)
 
 
 @triton.jit
@@ -248,12 +249,13 @@ def store_tile_fused(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, 
     mask = row_mask[:, None] & (cols[None, :] < K)
     magnitude = tl.abs(values)
     if GRAN == GRAN_ROW:
-        scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(magnitude, axis=1), QMAX, EMAX)  # [BLOCK_V]
+        scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(magnitude, axis=1), QMAX, EMAX, HW)  # [BLOCK_V]
         _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
         recip = recip[:, None]
         unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
     else:
-        scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(tl.max(magnitude, axis=1), axis=0), QMAX, EMAX)
+        amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+        scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX, HW)
         _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
     if DTYPE == INT8:
         # Below the scales' upper bound every |values · recip| rounds to at most QMAX.

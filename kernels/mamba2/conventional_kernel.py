@@ -165,7 +165,7 @@ def _update_head(
                 amax = tl.max(magnitude, axis=1)  # [BLOCK_P]
             else:
                 amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-            scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX)
+            scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX, HW)
             if GRAN == GRAN_ROW:
                 _store(scale_base + rows * s_scale_row, scale, scale_mask)
                 recip = recip[:, None]
