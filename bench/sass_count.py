@@ -71,14 +71,14 @@ def record(module, names):
 
 
 def compile_sm90(kernel, args, kwargs):
-    """Compile one recorded launch for sm_90 (the GPU's conversion instructions and fused arithmetic on)."""
+    """Compile one recorded launch for sm_90 (the GPU's conversion instructions on; the fused
+    arithmetic as the launch's GPU plan has it)."""
     kwargs = dict(kwargs)
     options = dict(num_warps=kwargs.pop("num_warps", 4))
     if "maxnreg" in kwargs:
         options["maxnreg"] = kwargs.pop("maxnreg")
-    for name in ("HW", "FUSED"):  # what a launch on a GPU passes
-        if name in kernel.arg_names:
-            kwargs[name] = True
+    if "HW" in kernel.arg_names:  # what a launch on a GPU passes
+        kwargs["HW"] = True
     signature, constants, attrs = {}, {}, {}
     values = list(args) + [None] * (len(kernel.arg_names) - len(args))
     for i, name in enumerate(kernel.arg_names):
@@ -177,7 +177,7 @@ def launch_conventional(text):
         _bf16(BATCH, G, N), _bf16(BATCH, G, N), torch.ones(H), _bf16(BATCH, H, P), torch.randn(H), None,
         _bf16(BATCH, H, P), 1, None, dtype_code=codec.dtype_code(fmt), granularity=gran, stochastic=fmt.stochastic,
         qmax=codec.qmax(fmt), emax=codec.emax(fmt), dt_softplus=True, pad_slot_id=-1, heads_per_group=H // G,
-        block_p=block_p, num_warps=num_warps, variant=variant, maxnreg=maxnreg)
+        block_p=block_p, num_warps=num_warps, variant=variant, fused=True, maxnreg=maxnreg)
     return launches
 
 

@@ -55,6 +55,30 @@ def test_sass_count_compiles_a_kernel_for_sm90_without_a_gpu():
     assert 0.05 < per_element < 5.0  # a real listing, not an empty one
 
 
+def test_sass_count_compiles_the_gpu_plans_fused_setting():
+    """``--set ...conventional.FUSED_ON_GPU=False`` lists the references' order: the constexprs
+    handed to Triton's compiler are the launch's GPU plan's (stubbed compiler, nothing built)."""
+    script = """
+import sys
+import triton
+from bench import sass_count
+from bench.breakdown import set_constant
+seen = []
+triton.compiler.ASTSource = lambda fn, signature, constexprs, attrs: seen.append(constexprs["FUSED"])
+triton.compile = lambda source, target, options: None
+set_constant("qstate.kernels.gated_delta.conventional.FUSED_ON_GPU=" + sys.argv[1])
+(name, kernel, grid, args, kwargs), = sass_count.launch_gdn_conventional("int8:row")
+sass_count.compile_sm90(kernel, args, kwargs)
+print(seen)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for value in ("True", "False"):
+        result = subprocess.run([sys.executable, "-c", script, value], capture_output=True, text=True, env=env,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.split()[-1] == f"[{value}]"
+
+
 def test_host_overhead_times_the_ops_python_without_launching():
     """In its own process: it replaces the kernels of the modules it imports with no-ops."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
