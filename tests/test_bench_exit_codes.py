@@ -23,11 +23,26 @@ def test_run_gpu_counts_a_case_module_that_does_not_import(monkeypatch):
     assert len(failures) == 1 and "bench.no_such_case_module" in failures[0]
 
 
+def _stand_in_gpu(monkeypatch, cases, time_case, copy_ceiling=lambda device: 100.0):
+    """run_gpu over ``cases`` with no case modules and no GPU: ``time_case`` and ``copy_ceiling``
+    stand in for the harness's timings."""
+    import torch
+
+    from bench import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
+    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
+    monkeypatch.setattr(harness, "copy_ceiling_gbs", copy_ceiling)
+    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
+    monkeypatch.setattr(harness, "cases", lambda device, groups: cases)
+    monkeypatch.setattr(harness, "time_case", time_case)
+    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+
+
 def test_run_gpu_writes_the_timed_rows_when_the_ceiling_after_them_fails(monkeypatch, tmp_path):
     """A case that breaks the CUDA context (an illegal address) makes every later GPU call raise:
     the rows timed before it are still written, and the run reports the failure."""
-    import torch
-
     from bench import harness
 
     case = harness.Case("probe", "probe/one", {}, 1000, lambda: None, lambda buffers: None)
@@ -39,14 +54,7 @@ def test_run_gpu_writes_the_timed_rows_when_the_ceiling_after_them_fails(monkeyp
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return value
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
-    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
-    monkeypatch.setattr(harness, "copy_ceiling_gbs", ceiling)
-    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
-    monkeypatch.setattr(harness, "cases", lambda device, groups: [case])
-    monkeypatch.setattr(harness, "time_case", lambda c: 10.0)
-    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+    _stand_in_gpu(monkeypatch, [case], lambda c: 10.0, ceiling)
     assert run_gpu.main(["--out", str(tmp_path), "--skip-checks"]) == 1
     import json
 
@@ -57,21 +65,12 @@ def test_run_gpu_writes_the_timed_rows_when_the_ceiling_after_them_fails(monkeyp
 
 def test_run_gpu_times_peer_cases_after_every_qstate_case(monkeypatch, tmp_path):
     """A peer kernel that faults breaks the CUDA context for every later case, so peers go last."""
-    import torch
-
     from bench import harness
 
     order = []
     peer = harness.Case("probe", "probe/peer", {}, 1000, lambda: None, lambda buffers: None, peer=True)
     ours = [harness.Case("probe", f"probe/ours{i}", {}, 1000, lambda: None, lambda buffers: None) for i in range(2)]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
-    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
-    monkeypatch.setattr(harness, "copy_ceiling_gbs", lambda device: 100.0)
-    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
-    monkeypatch.setattr(harness, "cases", lambda device, groups: [ours[0], peer, ours[1]])
-    monkeypatch.setattr(harness, "time_case", lambda c: order.append(c.name) or 10.0)
-    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+    _stand_in_gpu(monkeypatch, [ours[0], peer, ours[1]], lambda c: order.append(c.name) or 10.0)
     assert run_gpu.main(["--out", str(tmp_path), "--skip-checks"]) == 0
     assert order == ["probe/ours0", "probe/ours1", "probe/peer"]
 
@@ -121,19 +120,10 @@ def test_run_gpu_refuses_checks_that_name_no_module_before_any_work(monkeypatch,
 
 
 def _two_cases(monkeypatch, time_case):
-    import torch
-
     from bench import harness
 
     cases = [harness.Case("probe", f"probe/{i}", {}, 1000, lambda: None, lambda buffers: None) for i in range(2)]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(run_gpu, "CASE_MODULES", ())
-    monkeypatch.setattr(harness, "environment", lambda: dict(gpu="probe", commit="probe"))
-    monkeypatch.setattr(harness, "copy_ceiling_gbs", lambda device: 100.0)
-    monkeypatch.setattr(harness, "read_ceiling_gbs", lambda device: 100.0)
-    monkeypatch.setattr(harness, "cases", lambda device, groups: cases)
-    monkeypatch.setattr(harness, "time_case", time_case)
-    monkeypatch.setattr(harness, "markdown_table", lambda payload: "")
+    _stand_in_gpu(monkeypatch, cases, time_case)
 
 
 def test_run_gpu_killed_part_way_keeps_the_rows_it_timed(monkeypatch, tmp_path):
