@@ -68,6 +68,9 @@ def _rel(a, b):
 
 
 CHECK_LAYER = (2, 8, 128, 96)  # HK, HV, K, V: HV/HK 4, V not a power of two
+# The launchers whose constants the check variants and the sweep set.
+_CONV = "qstate.kernels.gated_delta.conventional"
+_REPLAY = "qstate.kernels.gated_delta.replay"
 CHECK_FORMATS = ("fp32", "bf16", "fp16", "int8:row", "fp8_e4m3:row", "fp8_e5m2:row", "int8:head",
                  "fp8_e4m3:block32", "bf16+sr", "int8:row+sr")
 CHECK_REPLAY = (("fp32", None), ("fp32", "fp8_e4m3:row"), ("fp32", "int8:row"), ("fp32", "fp8_e5m2:row"),
@@ -215,24 +218,24 @@ def check_graph(device, batch=64, steps=20):
 def check_kernel(device):
     """Every check of this module; (failures, report rows)."""
     f1, r1 = check_conventional(device)
-    f2, r2 = check_variant(check_conventional, device, "conventional", "references' order", FUSED_ON_GPU=False)
+    f2, r2 = check_variant(check_conventional, device, _CONV, "references' order", FUSED_ON_GPU=False)
     f3, r3 = check_replay(device)
-    f4, r4 = check_variant(check_replay, device, "replay", "chunked", MIN_PROGRAMS=0)
+    f4, r4 = check_variant(check_replay, device, _REPLAY, "chunked", MIN_PROGRAMS=0)
     return f1 + f2 + f3 + f4 + check_graph(device), r1 + r2 + r3 + r4
 
 
 @contextlib.contextmanager
-def launcher_constants(module, **constants):
-    """The constants of a gated delta launcher (``qstate.kernels.gated_delta.<module>``) set for a
-    block, the launch plans rebuilt on both sides of it."""
+def launcher_constants(module_name, **constants):
+    """A launcher module's constants set for a block (a dict constant updated, not replaced), the
+    launch plans rebuilt on both sides of it."""
     import importlib
 
     from qstate.kernels import clear_launch_plans
 
-    launcher = importlib.import_module(f"qstate.kernels.gated_delta.{module}")
+    launcher = importlib.import_module(module_name)
     saved = {name: getattr(launcher, name) for name in constants}
     for name, value in constants.items():
-        setattr(launcher, name, value)
+        setattr(launcher, name, {**saved[name], **value} if isinstance(value, dict) else value)
     clear_launch_plans()
     try:
         yield
@@ -242,12 +245,12 @@ def launcher_constants(module, **constants):
         clear_launch_plans()
 
 
-def check_variant(check, device, module, tag, **constants):
+def check_variant(check, device, module_name, tag, **constants):
     """``check(device)`` with launcher constants set, for code its default plans do not reach: the
     conventional kernel's references' order (``FUSED_ON_GPU=False``); the replay launcher's
     ``MIN_PROGRAMS=0`` (``V_LOOP`` chunks per program, the sweep's result reused across them),
     which its small grids never reach."""
-    with launcher_constants(module, **constants):
+    with launcher_constants(module_name, **constants):
         failures, report = check(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
 
@@ -358,8 +361,6 @@ def timing_cases(device):
 
 # Tuning alternatives timed by ``sweep_cases``: tag → {module constant: value}, applied around
 # each call (the first of each list is the default).
-_CONV = "qstate.kernels.gated_delta.conventional"
-_REPLAY = "qstate.kernels.gated_delta.replay"
 _ROWS = "TILE_ROWS_BY_DTYPE"
 CONVENTIONAL_SWEEP = {
     "fp32": {"default": {}, "16x4w": {_ROWS: {codec.FP32: (16, 4)}}, "8x1w": {_ROWS: {codec.FP32: (8, 1)}},
@@ -380,25 +381,11 @@ REPLAY_SWEEP = {
 
 
 def with_constants(module_name, constants, run):
-    """``run`` with ``module_name``'s constants set for the call (dict constants updated), and the
-    launch plans rebuilt on both sides of it."""
-    import importlib
-
-    from qstate.kernels import clear_launch_plans
-
-    module = importlib.import_module(module_name)
+    """``run`` with ``module_name``'s constants set for the call (:func:`launcher_constants`)."""
 
     def tuned(buffers):
-        saved = {name: getattr(module, name) for name in constants}
-        for name, value in constants.items():
-            setattr(module, name, {**saved[name], **value} if isinstance(value, dict) else value)
-        clear_launch_plans()
-        try:
+        with launcher_constants(module_name, **constants):
             run(buffers)
-        finally:
-            for name, value in saved.items():
-                setattr(module, name, value)
-            clear_launch_plans()
 
     return tuned
 
