@@ -249,14 +249,14 @@ def store_tile_fused(values, row_mask, codes_ptr, scale_ptr, rows, cols, s_row, 
     mask = row_mask[:, None] & (cols[None, :] < K)
     magnitude = tl.abs(values)
     if GRAN == GRAN_ROW:
-        scale, recip, unclamped = codec.scale_from_amax_fused(tl.max(magnitude, axis=1), QMAX, EMAX, HW)  # [BLOCK_V]
-        _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
-        recip = recip[:, None]
-        unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
+        amax = tl.max(magnitude, axis=1)  # [BLOCK_V]
     else:
         amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-        scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX, HW)
-        _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
+    scale, recip, unclamped = codec.scale_from_amax_fused(amax, QMAX, EMAX, HW)
+    _store_scales(scale_ptr, scale, rows, row_mask, s_scale_row, GRAN, BLOCK_V)
+    if GRAN == GRAN_ROW:
+        recip = recip[:, None]
+        unclamped = tl.min(unclamped.to(tl.int32), axis=0) == 1
     if DTYPE == INT8:
         # Below the scales' upper bound every |values · recip| rounds to at most QMAX.
         if unclamped:
