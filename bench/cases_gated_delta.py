@@ -221,7 +221,8 @@ def check_kernel(device):
     f2, r2 = check_variant(check_conventional, device, _CONV, "references' order", FUSED_ON_GPU=False)
     f3, r3 = check_replay(device)
     f4, r4 = check_variant(check_replay, device, _REPLAY, "chunked", MIN_PROGRAMS=0)
-    return f1 + f2 + f3 + f4 + check_graph(device), r1 + r2 + r3 + r4
+    f5, r5 = check_variant(check_conventional, device, _CONV, "tiles in a loop", V_LOOP=4, MIN_PROGRAMS=0)
+    return f1 + f2 + f3 + f4 + f5 + check_graph(device), r1 + r2 + r3 + r4 + r5
 
 
 @contextlib.contextmanager
@@ -247,7 +248,8 @@ def launcher_constants(module_name, **constants):
 
 def check_variant(check, device, module_name, tag, **constants):
     """``check(device)`` with launcher constants set, for code its default plans do not reach: the
-    conventional kernel's references' order (``FUSED_ON_GPU=False``); the replay launcher's
+    conventional kernel's references' order (``FUSED_ON_GPU=False``) and its tiles in a loop
+    (``V_LOOP=4, MIN_PROGRAMS=0``: q̂, k̂ and the gates reused across them); the replay launcher's
     ``MIN_PROGRAMS=0`` (``V_LOOP`` chunks per program, the sweep's result reused across them),
     which its small grids never reach."""
     with launcher_constants(module_name, **constants):
@@ -362,14 +364,16 @@ def timing_cases(device):
 # Tuning alternatives timed by ``sweep_cases``: tag → {module constant: value}, applied around
 # each call (the first of each list is the default).
 _ROWS = "TILE_ROWS_BY_DTYPE"
+_LOOPS = {f"loop{n}": {"V_LOOP": n} for n in (2, 4, 8)}
 CONVENTIONAL_SWEEP = {
     "fp32": {"default": {}, "16x4w": {_ROWS: {codec.FP32: (16, 4)}}, "8x1w": {_ROWS: {codec.FP32: (8, 1)}},
-             "32x2w": {_ROWS: {codec.FP32: (32, 2)}}},
-    "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}},
+             "32x2w": {_ROWS: {codec.FP32: (32, 2)}}, **_LOOPS},
+    "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}, **_LOOPS},
     "int8:row": {"default": {}, "32x2w": {_ROWS: {codec.INT8: (32, 2)}}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}},
-                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "references-order": {"FUSED_ON_GPU": False}},
+                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "references-order": {"FUSED_ON_GPU": False}, **_LOOPS},
     "fp8_e4m3:row": {"default": {}, "32x2w": {_ROWS: {codec.FP8_E4M3: (32, 2)}},
-                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}, "references-order": {"FUSED_ON_GPU": False}},
+                     "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}, "references-order": {"FUSED_ON_GPU": False},
+                     **_LOOPS},
 }
 REPLAY_SWEEP = {
     "default": {},
@@ -400,7 +404,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 32 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 42 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():

@@ -1,17 +1,17 @@
 """Conventional gated delta rule decode step over any state format: what a program of the kernel
 (:mod:`.conventional_kernel`) does, and its launcher.
 
-One program owns a ``[BLOCK_V, BLOCK_K]`` tile of one (row of the batch, value head): ``BLOCK_V``
-rows of V by the whole (padded) K, so each V-row's dot with the key, and its row or block32
-scales, stay inside the program; ``head`` scales need the whole head, so that granularity takes
-``BLOCK_V ≥ V``. Grid ``(cdiv(V, BLOCK_V), HV, batch)``; each program reads and writes its tile
-once.
+A tile is ``[BLOCK_V, BLOCK_K]`` of one (row of the batch, value head): ``BLOCK_V`` rows of V by
+the whole (padded) K, so each V-row's dot with the key, and its row or block32 scales, stay
+inside one program; ``head`` scales need the whole head, so that granularity takes ``BLOCK_V ≥
+V``. Grid ``(cdiv(V, BLOCK_V · V_LOOP), HV, batch)``: a program takes ``V_LOOP`` tiles of its
+head one after the other, reading and writing each once.
 
-Per tile: normalize q and k of the head's key head (``h // (HV / HK)``) in fp32, ``α = exp(g)``
-(one per head or per key channel), load codes and scales, dequantize (``code · scale``), then in
-fp32 and the references' order ``S ← S·diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``; output
-``S q̂`` from the unrounded state, re-quantize with the codec (``tile.store_tile``) and store in
-place. ``FUSED`` (8-bit row and head scales, round to nearest) takes fewer, slightly less exact
+Per program: normalize q and k of the head's key head (``h // (HV / HK)``) in fp32, ``α =
+exp(g)`` (one per head or per key channel). Per tile: load codes and scales, dequantize
+(``code · scale``), then in fp32 and the references' order ``S ← S·diag(α)``, ``d = β (v − S
+k̂)``, ``S ← S + d k̂ᵀ``; output ``S q̂`` from the unrounded state, re-quantize with the codec
+(``tile.store_tile``) and store in place. ``FUSED`` (8-bit row and head scales, round to nearest) takes fewer, slightly less exact
 steps: GDN's decay joins the old scale, codes come from one product with an approximate
 reciprocal (``tile.store_tile_fused``; README.md#fused-path). A row whose slot index is negative
 or ``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
@@ -38,8 +38,14 @@ TILE_ROWS_BY_DTYPE = {codec.FP32: (16, 1), codec.BF16: (16, 1), codec.FP16: (16,
 # Fused arithmetic of 8-bit row and head scales on GPU launches (README.md#fused-path): sm_90
 # listing int8:row 1456 vs 1872, fp8_e4m3:row 1272 vs 1648 instructions in the references' order.
 FUSED_ON_GPU = True
-# Programs below which a launch splits V finer (a small batch still fills the GPU).
-_MIN_PROGRAMS = 1024
+# Tiles a program takes on a GPU, one after the other, sharing q̂, k̂ and the gates (16 elements a
+# thread on the 8-bit tiles); 1 until the GDN sweep's loop2/4/8 variants are timed.
+V_LOOP = 1
+# (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one tile (the interpreter pays
+# per program). Tests set it to run a GPU-like split.
+INTERPRETER_SPLIT = None
+# Programs below which a launch takes fewer tiles per program, then splits V finer.
+MIN_PROGRAMS = 1024
 _MIN_BLOCK_V = 4
 
 _launch = CompiledLaunch(_conventional_kernel, volatile=("seed",))
@@ -58,7 +64,7 @@ def tile_config(element_bytes: int, K: int, V: int, granularity: int, programs_p
         # Head scales need the whole head; the interpreter pays per program, not per byte.
         return whole, block_k, (8 if whole * block_k >= 8192 else 4)
     block_v = min(max(1, rows * 128 // block_k), whole)
-    while block_v > _MIN_BLOCK_V and programs_per_tile * sizes.cdiv(V, block_v) < _MIN_PROGRAMS:
+    while block_v > _MIN_BLOCK_V and programs_per_tile * sizes.cdiv(V, block_v) < MIN_PROGRAMS:
         block_v //= 2
     return block_v, block_k, warps
 
@@ -67,14 +73,21 @@ def tile_config(element_bytes: int, K: int, V: int, granularity: int, programs_p
 def _plan(element_bytes, K, V, num_v_heads, batch, device, dtype_code, granularity, stochastic, qmax, emax, channel,
           l2norm, has_slots, seed_from_ptr, out_bf16, has_flags, fused):
     """``(grid, constexprs)`` of a launch, a function of the call's metadata."""
-    block_v, block_k, warps = tile_config(element_bytes, K, V, granularity, batch * num_v_heads,
-                                          device.type == "cuda", dtype_code)
+    on_gpu = device.type == "cuda"
+    block_v, block_k, warps = tile_config(element_bytes, K, V, granularity, batch * num_v_heads, on_gpu, dtype_code)
+    v_loop = 1
+    if on_gpu:
+        v_loop = min(V_LOOP, sizes.cdiv(V, block_v))
+        while v_loop > 1 and batch * num_v_heads * sizes.cdiv(V, block_v * v_loop) < MIN_PROGRAMS:
+            v_loop //= 2
+    elif INTERPRETER_SPLIT is not None and granularity != codec.GRAN_HEAD:
+        block_v, v_loop = INTERPRETER_SPLIT
     constexprs = dict(DTYPE=dtype_code, GRAN=granularity, STOCHASTIC=stochastic, QMAX=qmax, EMAX=emax,
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       SEED_FROM_PTR=seed_from_ptr, OUT_BF16=out_bf16, HAS_FLAGS=has_flags,
-                      FUSED=FUSED_ON_GPU and device.type == "cuda" if fused is None else fused, BLOCK_V=block_v,
-                      BLOCK_K=block_k, num_warps=warps)
-    return (sizes.cdiv(V, block_v), num_v_heads, batch), constexprs
+                      FUSED=FUSED_ON_GPU and on_gpu if fused is None else fused, BLOCK_V=block_v, BLOCK_K=block_k,
+                      V_LOOP=v_loop, num_warps=warps)
+    return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), constexprs
 
 
 def launch(state, state_scale, q, k, v, g, beta, slot_indices, out, seed, seed_tensor, *, qk_scale: float,

@@ -96,6 +96,31 @@ def test_slot_indices_padding_and_untouched_slots():
         assert not torch.equal(state[slot], q.data[slot])
 
 
+@pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("text", ["fp32", "bf16+sr", "int8:row", "fp8_e4m3:block32", "int8:head"])
+def test_several_tiles_a_program_as_on_a_gpu(monkeypatch, channel, text):
+    """``V_LOOP`` tiles a program (here V = 24 in tiles of 8 rows, 2 a program: the second
+    program's second tile past V): states, scales and outputs bit for bit those of one tile
+    over the whole head, with a padding row and slot indices. Head scales keep one tile."""
+    from qstate.kernels import clear_launch_plans
+    from qstate.kernels.gated_delta import conventional
+    fmt = formats.StateFormat.parse(text)
+    q = stored_state(fmt, (4, 2, 24, 32))
+    inp = token(3, 1, 2, 32, 24, channel=channel, seed=3)
+    runs = []
+    for split in (None, (8, 2)):
+        monkeypatch.setattr(conventional, "INTERPRETER_SPLIT", split)
+        clear_launch_plans()
+        state, scale = q.data.clone(), None if q.scale is None else q.scale.clone()
+        out = torch.full((3, 2, 24), float("nan"))
+        qstate.gated_delta_update(state, **inp, state_indices=torch.tensor([2, -1, 0]), state_scale=scale,
+                                  state_format=text, out=out, seed=4)
+        runs.append([bits_of(t) for t in (state, out, scale) if t is not None])
+    for whole, split in zip(*runs):
+        assert torch.equal(whole, split)
+    assert torch.equal(runs[1][1][1], bits_of(torch.zeros(2, 24)))
+
+
 def test_bf16_inputs_and_output_without_l2norm_and_given_scale():
     inp = token(2, 2, 4, 32, 16, dtype=torch.bfloat16)
     state0 = torch.randn(2, 4, 16, 32)
