@@ -370,7 +370,8 @@ CONVENTIONAL_SWEEP = {
              "32x2w": {_ROWS: {codec.FP32: (32, 2)}}, **_LOOPS},
     "bf16": {"default": {}, "32x4w": {_ROWS: {codec.BF16: (32, 4)}}, "32x2w": {_ROWS: {codec.BF16: (32, 2)}}, **_LOOPS},
     "int8:row": {"default": {}, "32x2w": {_ROWS: {codec.INT8: (32, 2)}}, "32x4w": {_ROWS: {codec.INT8: (32, 4)}},
-                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "references-order": {"FUSED_ON_GPU": False}, **_LOOPS},
+                 "32x1w": {_ROWS: {codec.INT8: (32, 1)}}, "references-order": {"FUSED_ON_GPU": False}, **_LOOPS,
+                 "loop8-cap128": {"V_LOOP": 8, "REGISTER_CAP": 128}},
     "fp8_e4m3:row": {"default": {}, "32x2w": {_ROWS: {codec.FP8_E4M3: (32, 2)}},
                      "32x4w": {_ROWS: {codec.FP8_E4M3: (32, 4)}}, "references-order": {"FUSED_ON_GPU": False},
                      **_LOOPS},
@@ -404,7 +405,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 42 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 43 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..common import codec, sizes
-from ..common.launch import CompiledLaunch, PreparedLaunch
+from ..common.launch import CompiledLaunch, PreparedLaunch, register_cap
 from .conventional_kernel import _conventional_kernel
 
 # Rows of V per tile at K = 128, and warps, by state bytes per element: head and block32 scales.
@@ -41,6 +41,9 @@ FUSED_ON_GPU = True
 # Tiles a program takes on a GPU, one after the other, sharing q̂, k̂ and the gates (16 elements a
 # thread on the 8-bit tiles); 1 until the GDN sweep's loop2/4/8 variants are timed.
 V_LOOP = 1
+# Register cap (ptxas .maxnreg) of GPU launches; None: ptxas's choice (int8:row takes 157 at
+# V_LOOP 4-8, so 12 one-warp programs a multiprocessor against 16 at 128).
+REGISTER_CAP = None
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one tile (the interpreter pays
 # per program). Tests set it to run a GPU-like split.
 INTERPRETER_SPLIT = None
@@ -86,7 +89,7 @@ def _plan(element_bytes, K, V, num_v_heads, batch, device, dtype_code, granulari
                       HW=codec.hardware_casts(device), CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
                       SEED_FROM_PTR=seed_from_ptr, OUT_BF16=out_bf16, HAS_FLAGS=has_flags,
                       FUSED=FUSED_ON_GPU and on_gpu if fused is None else fused, BLOCK_V=block_v, BLOCK_K=block_k,
-                      V_LOOP=v_loop, num_warps=warps)
+                      V_LOOP=v_loop, num_warps=warps, **register_cap(REGISTER_CAP, device))
     return (sizes.cdiv(V, block_v * v_loop), num_v_heads, batch), constexprs
 
 
