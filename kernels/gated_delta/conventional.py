@@ -11,9 +11,10 @@ Per program: normalize q and k of the head's key head (``h // (HV / HK)``) in fp
 exp(g)`` (one per head or per key channel). Per tile: load codes and scales, dequantize
 (``code · scale``), then in fp32 and the references' order ``S ← S·diag(α)``, ``d = β (v − S
 k̂)``, ``S ← S + d k̂ᵀ``; output ``S q̂`` from the unrounded state, re-quantize with the codec
-(``tile.store_tile``) and store in place. ``FUSED`` (8-bit row and head scales, round to nearest) takes fewer, slightly less exact
-steps: GDN's decay joins the old scale, codes come from one product with an approximate
-reciprocal (``tile.store_tile_fused``; README.md#fused-path). A row whose slot index is negative
+(``tile.store_tile``) and store in place. ``FUSED`` (8-bit row and head scales, round to
+nearest) takes fewer, slightly less exact steps: GDN's decay joins the old scale, codes come
+from one product with an approximate reciprocal (``tile.store_tile_fused``;
+README.md#fused-path). A row whose slot index is negative
 or ``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
 for CPU tensors) outputs NaN and touches no slot.
 """
