@@ -39,9 +39,12 @@ TILE_ROWS_BY_DTYPE = {codec.FP32: (16, 1), codec.BF16: (16, 1), codec.FP16: (16,
 # Fused arithmetic of 8-bit row and head scales on GPU launches (README.md#fused-path): sm_90
 # listing int8:row 1456 vs 1872, fp8_e4m3:row 1272 vs 1648 instructions in the references' order.
 FUSED_ON_GPU = True
-# Tiles a program takes on a GPU, one after the other, sharing q̂, k̂ and the gates (16 elements a
-# thread on the 8-bit tiles); 1 until the GDN sweep's loop2/4/8 variants are timed.
-V_LOOP = 1
+# Tiles a program takes on a GPU, one after the other, sharing q̂, k̂ and the gates, by (per-channel
+# gate, dtype code) of unscaled and row-scaled round-to-nearest formats; absent: 1. H100 batch 256 sweep.
+V_LOOP_BY_FORMAT = {(False, codec.INT8): 8, (False, codec.FP8_E4M3): 2, (False, codec.BF16): 4,
+                    (True, codec.INT8): 8}
+# A tile count for every format instead (sweeps and checks); None: V_LOOP_BY_FORMAT.
+V_LOOP = None
 # Register cap (ptxas .maxnreg) of GPU launches; None: ptxas's choice (int8:row takes 157 at
 # V_LOOP 4-8, so 12 one-warp programs a multiprocessor against 16 at 128).
 REGISTER_CAP = None
@@ -81,7 +84,11 @@ def _plan(element_bytes, K, V, num_v_heads, batch, device, dtype_code, granulari
     block_v, block_k, warps = tile_config(element_bytes, K, V, granularity, batch * num_v_heads, on_gpu, dtype_code)
     v_loop = 1
     if on_gpu:
-        v_loop = min(V_LOOP, sizes.cdiv(V, block_v))
+        v_loop = V_LOOP
+        if v_loop is None:
+            by_format = not stochastic and granularity in (codec.GRAN_NONE, codec.GRAN_ROW)
+            v_loop = V_LOOP_BY_FORMAT.get((channel, dtype_code), 1) if by_format else 1
+        v_loop = min(v_loop, sizes.cdiv(V, block_v))
         while v_loop > 1 and batch * num_v_heads * sizes.cdiv(V, block_v * v_loop) < MIN_PROGRAMS:
             v_loop //= 2
     elif INTERPRETER_SPLIT is not None and granularity != codec.GRAN_HEAD:
