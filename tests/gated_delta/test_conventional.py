@@ -121,6 +121,29 @@ def test_several_tiles_a_program_as_on_a_gpu(monkeypatch, channel, text):
     assert torch.equal(runs[1][1][1], bits_of(torch.zeros(2, 24)))
 
 
+@pytest.mark.parametrize("channel, text, stochastic, granularity, batch, tiles", [
+    (False, "int8", False, "row", 256, 8), (False, "fp8_e4m3", False, "row", 256, 2),
+    (False, "bf16", False, "none", 256, 4), (False, "fp32", False, "none", 256, 1),
+    (True, "int8", False, "row", 256, 8), (True, "fp8_e4m3", False, "row", 256, 1),
+    (False, "int8", True, "row", 256, 1), (False, "fp8_e4m3", False, "block32", 256, 1),
+    (False, "int8", False, "row", 4, 2), (False, "int8", False, "row", 1, 1)])
+def test_gpu_plan_takes_tiles_a_program_by_format(channel, text, stochastic, granularity, batch, tiles):
+    """The GPU launch plan (V = K = 128, 64 value heads): ``V_LOOP_BY_FORMAT``'s tiles a program,
+    one for ``+sr`` and block32, fewer when the grid would drop below ``MIN_PROGRAMS``."""
+    from qstate.kernels.gated_delta import conventional
+    from qstate.kernels.common import codec
+    code = {"int8": codec.INT8, "fp8_e4m3": codec.FP8_E4M3, "bf16": codec.BF16, "fp32": codec.FP32}[text]
+    gran = {"none": codec.GRAN_NONE, "row": codec.GRAN_ROW, "block32": codec.GRAN_BLOCK32}[granularity]
+    element_bytes = {"fp32": 4, "bf16": 2}.get(text, 1)
+    conventional._plan.cache_clear()
+    grid, constexprs = conventional._plan(element_bytes, 128, 128, 64, batch, torch.device("cuda"), code, gran,
+                                          stochastic, 127.0, 0, channel, True, True, False, False, True, None)
+    assert constexprs["V_LOOP"] == tiles
+    assert grid == (128 // (constexprs["BLOCK_V"] * tiles), 64, batch)
+    assert grid[0] * grid[1] * grid[2] >= conventional.MIN_PROGRAMS or constexprs["BLOCK_V"] == 4
+    conventional._plan.cache_clear()
+
+
 def test_bf16_inputs_and_output_without_l2norm_and_given_scale():
     inp = token(2, 2, 4, 32, 16, dtype=torch.bfloat16)
     state0 = torch.randn(2, 4, 16, 32)
