@@ -14,8 +14,10 @@ tiles before a GPU run; the GPU sweep decides.
 Shapes: the Nemotron-H-8B layer (128 heads × 64 × 128, 8 groups), batch 256, bf16 inputs,
 ring 16, T = 4. Per kernel it prints registers, instructions per thread in the listing, and
 those times the warps over the elements of one ``[BLOCK_P, BLOCK_N]`` tile: warp-instructions
-per state element. A loop's body is listed once, so for the flush kernels (a loop over listed
-rows) and the grouped step kernel (a loop over heads) the per-element figure is per iteration.
+per state element. A loop's body is listed once (each backward branch's body is printed), so
+for the flush kernels (a loop over listed rows) and the grouped step kernel (a loop over heads)
+the per-element figure is per iteration; for the gated delta conventional kernel over ``V_LOOP``
+tiles a program it is per tile (the body once a tile, the rest once over the tiles).
 The ``gdn-*`` ops count the gated delta kernels on the Qwen3.5-122B-A10B layer (``GDN_LAYER``),
 tiles ``[BLOCK_V, BLOCK_K]``; the replay step's unrolled sweep is listed whole, its chunk loop once.
 """
@@ -43,6 +45,8 @@ from .breakdown import set_constant  # noqa: E402
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8",
           torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_ADDRESSED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*[^;]*);")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 BATCH = 256
 # The gated delta ops' layer (Qwen3.5-122B-A10B: HK, HV, K, V).
@@ -107,8 +111,9 @@ def compile_sm90(kernel, args, kwargs):
 
 
 def count(compiled):
-    """(registers, bytes of shared memory, bytes of local memory (spills), instruction mnemonics)
-    of a compiled kernel."""
+    """(registers, bytes of shared memory, bytes of local memory (spills), instruction mnemonics,
+    loop bodies) of a compiled kernel; a loop body is the number of instructions from a backward
+    branch's target to the branch."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -118,7 +123,20 @@ def count(compiled):
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
                                capture_output=True, text=True, check=True).stdout
     registers, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
-    return registers, compiled.metadata.shared, local, _INSTRUCTION.findall(sass)
+    return registers, compiled.metadata.shared, local, _INSTRUCTION.findall(sass), _loop_bodies(sass)
+
+
+def _loop_bodies(sass):
+    """Instructions per backward branch of a listing, from its target to the branch itself."""
+    listed = [(int(address, 16), text) for address, text in _ADDRESSED.findall(sass)]
+    addresses = [address for address, _ in listed]
+    bodies = []
+    for address, text in listed:
+        branch = _BRANCH.search(text)
+        if branch and int(branch.group(1), 16) < address:
+            target = int(branch.group(1), 16)
+            bodies.append(sum(1 for a in addresses if target <= a <= address))
+    return bodies
 
 
 def _bf16(*shape):
@@ -274,14 +292,22 @@ def main(argv=None) -> int:
                 "gdn-commit": lambda: launch_gdn_commit(read)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
-        registers, shared, local, instructions = count(compiled)
+        registers, shared, local, instructions, bodies = count(compiled)
         line = (f"{name}: grid {grid}, {num_warps} warps, {registers} registers, {shared} B shared, {local} B local, "
                 f"{len(instructions)} instructions per thread")
+        if bodies:
+            line += f" (loop bodies {', '.join(map(str, bodies))})"
+        per_tile = len(instructions)
+        tiles = kwargs.get("V_LOOP", 1) if name == "_conventional_kernel" else 1
+        if tiles > 1 and len(bodies) == 1:
+            # V_LOOP tiles a program: the body runs once a tile, the rest once a program.
+            per_tile = (len(instructions) - bodies[0]) / tiles + bodies[0]
+            line += f", {per_tile:.0f} a tile over {tiles} tiles"
         rows, cols = ("BLOCK_P", "BLOCK_N") if "BLOCK_P" in kwargs else ("BLOCK_V", "BLOCK_K")
         if rows in kwargs:
             tile = kwargs[rows] * kwargs[cols]
             line += (f", tile {kwargs[rows]} x {kwargs[cols]}: "
-                     f"{len(instructions) * num_warps / tile:.3f} warp-instructions per state element")
+                     f"{per_tile * num_warps / tile:.3f} warp-instructions per state element")
         print(line, flush=True)
         if args.mix:
             print("   ", collections.Counter(instructions).most_common(args.mix))
