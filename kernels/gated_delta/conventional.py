@@ -14,9 +14,9 @@ k̂)``, ``S ← S + d k̂ᵀ``; output ``S q̂`` from the unrounded state, re-qu
 (``tile.store_tile``) and store in place. ``FUSED`` (8-bit row and head scales, round to
 nearest) takes fewer, slightly less exact steps: GDN's decay joins the old scale, codes come
 from one product with an approximate reciprocal (``tile.store_tile_fused``;
-README.md#fused-path). A row whose slot index is negative
-or ``pad_slot_id`` outputs zeros and touches no slot; an index ``≥ nslots`` (rejected on the host
-for CPU tensors) outputs NaN and touches no slot.
+README.md#fused-path). A row whose slot index is negative or ``pad_slot_id`` outputs zeros and
+touches no slot; an index ``≥ nslots`` (rejected on the host for CPU tensors) outputs NaN and
+touches no slot.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ _TILE_ROWS = {4: (16, 4), 2: (32, 4), 1: (32, 4)}
 TILE_ROWS_BY_DTYPE = {codec.FP32: (16, 1), codec.BF16: (16, 1), codec.FP16: (16, 1), codec.INT8: (16, 1),
                       codec.FP8_E4M3: (16, 1), codec.FP8_E5M2: (16, 1)}
 # Fused arithmetic of 8-bit row and head scales on GPU launches (README.md#fused-path): sm_90
-# listing int8:row 1456 vs 1872, fp8_e4m3:row 1272 vs 1648 instructions in the references' order.
+# listing int8:row 1456 vs 1872, fp8_e4m3:row 1280 vs 1648 instructions in the references' order.
 FUSED_ON_GPU = True
 # Tiles a program takes on a GPU, one after the other, sharing q̂, k̂ and the gates, by (per-channel
-# gate, dtype code) of unscaled and row-scaled round-to-nearest formats; absent: 1. H100 batch 256 sweep.
+# gate, dtype code) of unscaled and row-scaled round-to-nearest formats; absent: 1. H100 A/B, batch 256.
 V_LOOP_BY_FORMAT = {(False, codec.INT8): 8, (False, codec.FP8_E4M3): 2, (False, codec.BF16): 4,
                     (True, codec.INT8): 8}
 # A tile count for every format instead (sweeps and checks); None: V_LOOP_BY_FORMAT.
