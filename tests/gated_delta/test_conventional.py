@@ -121,27 +121,26 @@ def test_several_tiles_a_program_as_on_a_gpu(monkeypatch, channel, text):
     assert torch.equal(runs[1][1][1], bits_of(torch.zeros(2, 24)))
 
 
-@pytest.mark.parametrize("channel, text, stochastic, granularity, batch, tiles", [
-    (False, "int8", False, "row", 256, 8), (False, "fp8_e4m3", False, "row", 256, 2),
-    (False, "bf16", False, "none", 256, 4), (False, "fp32", False, "none", 256, 1),
-    (True, "int8", False, "row", 256, 8), (True, "fp8_e4m3", False, "row", 256, 1),
-    (False, "int8", True, "row", 256, 1), (False, "fp8_e4m3", False, "block32", 256, 1),
-    (False, "int8", False, "row", 4, 2), (False, "int8", False, "row", 1, 1)])
-def test_gpu_plan_takes_tiles_a_program_by_format(channel, text, stochastic, granularity, batch, tiles):
+@pytest.mark.parametrize("channel, text, batch, tiles", [
+    (False, "int8:row", 256, 8), (False, "fp8_e4m3:row", 256, 2), (False, "bf16", 256, 4), (False, "fp32", 256, 1),
+    (True, "int8:row", 256, 8), (True, "fp8_e4m3:row", 256, 1), (False, "int8:row+sr", 256, 1),
+    (False, "fp8_e4m3:block32", 256, 1), (False, "int8:row", 4, 2), (False, "int8:row", 1, 1)])
+def test_gpu_plan_takes_tiles_a_program_by_format(channel, text, batch, tiles):
     """The GPU launch plan (V = K = 128, 64 value heads): ``V_LOOP_BY_FORMAT``'s tiles a program,
     one for ``+sr`` and block32, fewer when the grid would drop below ``MIN_PROGRAMS``."""
-    from qstate.kernels.gated_delta import conventional
+    from qstate.kernels import clear_launch_plans
     from qstate.kernels.common import codec
-    code = {"int8": codec.INT8, "fp8_e4m3": codec.FP8_E4M3, "bf16": codec.BF16, "fp32": codec.FP32}[text]
-    gran = {"none": codec.GRAN_NONE, "row": codec.GRAN_ROW, "block32": codec.GRAN_BLOCK32}[granularity]
-    element_bytes = {"fp32": 4, "bf16": 2}.get(text, 1)
-    conventional._plan.cache_clear()
-    grid, constexprs = conventional._plan(element_bytes, 128, 128, 64, batch, torch.device("cuda"), code, gran,
-                                          stochastic, 127.0, 0, channel, True, True, False, False, True, None)
+    from qstate.kernels.gated_delta import conventional
+    fmt = formats.StateFormat.parse(text)
+    clear_launch_plans()
+    grid, constexprs = conventional._plan(fmt.storage_dtype.itemsize, 128, 128, 64, batch, torch.device("cuda"),
+                                          codec.dtype_code(fmt), codec.granularity_code(fmt), fmt.stochastic,
+                                          codec.qmax(fmt), codec.emax(fmt), channel, True, True, False, False, True,
+                                          None)
     assert constexprs["V_LOOP"] == tiles
     assert grid == (128 // (constexprs["BLOCK_V"] * tiles), 64, batch)
     assert grid[0] * grid[1] * grid[2] >= conventional.MIN_PROGRAMS or constexprs["BLOCK_V"] == 4
-    conventional._plan.cache_clear()
+    clear_launch_plans()
 
 
 def test_bf16_inputs_and_output_without_l2norm_and_given_scale():
