@@ -1,14 +1,14 @@
 """Instructions per state element of the kernels one op launches, counted offline: each launch
 is compiled for sm_90 with the ptxas that ships with Triton (no GPU needed) and its SASS listed
 with cuobjdump. The replay step, the verify and the conventional 8/16-bit kernels are bound by
-instruction issue on the H200 (bench/README.md, "Where the time goes"), so this count ranks
+instruction issue on the H200 (bench/README.md#bounds), so this count ranks
 tiles before a GPU run; the GPU sweep decides.
 
     python3 -m bench.sass_count replay --read fp8_e4m3:row [--checkpoint bf16+sr]
     python3 -m bench.sass_count verify --read fp8_e4m3:row --set qstate.kernels.mamba2.speculative.VERIFY_TILE="{...}"
     python3 -m bench.sass_count conventional --format int8:row
     python3 -m bench.sass_count gdn-conventional --format int8:row
-    python3 -m bench.sass_count gdn-replay --read fp8_e4m3:row
+    python3 -m bench.sass_count gdn-replay --read fp8_e4m3:row [--layer kimi-linear-48b-a3b]
     python3 -m bench.sass_count gdn-verify --read fp8_e4m3:row     (gdn-commit: the commit's kernels)
 
 Shapes: the Nemotron-H-8B layer (128 heads × 64 × 128, 8 groups), batch 256, bf16 inputs,
@@ -18,8 +18,9 @@ per state element. A loop's body is listed once (each backward branch's body is 
 for the flush kernels (a loop over listed rows) and the grouped step kernel (a loop over heads)
 the per-element figure is per iteration; for the gated delta conventional kernel over ``V_LOOP``
 tiles a program it is per tile (the body once a tile, the rest once over the tiles).
-The ``gdn-*`` ops count the gated delta kernels on the Qwen3.5-122B-A10B layer (``GDN_LAYER``),
-tiles ``[BLOCK_V, BLOCK_K]``; the replay step's unrolled sweep is listed whole, its chunk loop once.
+The ``gdn-*`` ops count the gated delta kernels on the Qwen3.5-122B-A10B layer (``--layer``: any
+of ``cases_gated_delta.LAYERS``, Kimi-Linear's with KDA's per-channel gate), tiles
+``[BLOCK_V, BLOCK_K]``; the replay step's unrolled sweep is listed whole, its chunk loop once.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ _ADDRESSED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_
 _BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 LAYER = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 BATCH = 256
-# The gated delta ops' layer (Qwen3.5-122B-A10B: HK, HV, K, V).
-GDN_LAYER = (16, 64, 128, 128)
 
 
 class _Recorder:
@@ -207,21 +206,28 @@ def _gpu_plans(module, name="_plan"):
     gpu.capability = lambda device: (9, 0)  # the listings are sm_90's, so is the plans' device
 
 
-def _gdn_token(batch, HK, HV, K, V):
-    return dict(q=_bf16(batch, HK, K), k=_bf16(batch, HK, K), v=_bf16(batch, HV, V), g=-torch.rand(batch, HV),
+def _gdn_layer(layer):
+    """``(HK, HV, K, V, gate)`` of a gated delta layer of the benchmarks."""
+    from .cases_gated_delta import LAYERS
+    return LAYERS[layer]
+
+
+def _gdn_token(batch, HK, HV, K, V, gate="scalar"):
+    g = -torch.rand(batch, HV, K) if gate == "channel" else -torch.rand(batch, HV)
+    return dict(q=_bf16(batch, HK, K), k=_bf16(batch, HK, K), v=_bf16(batch, HV, V), g=g,
                 beta=torch.rand(batch, HV).to(torch.bfloat16))
 
 
-def launch_gdn_conventional(text, batch=BATCH):
+def launch_gdn_conventional(text, batch=BATCH, layer="qwen3.5-122b-a10b"):
     import qstate
     from qstate import formats
     from qstate.kernels.gated_delta import conventional
     _gpu_plans(conventional)
     launches = record(conventional, ["_conventional_kernel"])
-    HK, HV, K, V = GDN_LAYER
+    HK, HV, K, V, gate = _gdn_layer(layer)
     fmt = formats.StateFormat.parse(text)
     q = formats.quantize(torch.randn(batch, HV, V, K), fmt)
-    qstate.gated_delta_update(q.data, **_gdn_token(batch, HK, HV, K, V), state_scale=q.scale, state_format=text,
+    qstate.gated_delta_update(q.data, **_gdn_token(batch, HK, HV, K, V, gate), state_scale=q.scale, state_format=text,
                               out=_bf16(batch, HV, V), seed=1)
     return launches
 
@@ -230,40 +236,40 @@ def launch_gdn_conventional(text, batch=BATCH):
 H100_SMS = 132
 
 
-def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH):
+def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH, layer="qwen3.5-122b-a10b"):
     import qstate
     from qstate.kernels.gated_delta import replay
     _gpu_plans(replay)
     launches = record(replay, [name for name in vars(replay) if name.startswith("_") and name.endswith("_kernel")])
-    HK, HV, K, V = GDN_LAYER
-    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16,
+    HK, HV, K, V, gate = _gdn_layer(layer)
+    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16,
                                                   checkpoint=checkpoint, read=read, device="cpu")
-    qstate.gated_delta_replay(cache, **_gdn_token(batch, HK, HV, K, V), out=_bf16(batch, HV, V))
+    qstate.gated_delta_replay(cache, **_gdn_token(batch, HK, HV, K, V, gate), out=_bf16(batch, HV, V))
     return launches
 
 
-def launch_gdn_verify(read, T=4, batch=BATCH):
+def launch_gdn_verify(read, T=4, batch=BATCH, layer="qwen3.5-122b-a10b"):
     import qstate
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_verify_plan")
     launches = record(speculative, ["_verify_kernel"])
-    HK, HV, K, V = GDN_LAYER
-    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
+    HK, HV, K, V, gate = _gdn_layer(layer)
+    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16, read=read,
                                                   device="cpu", max_draft=T)
-    token = _gdn_token(batch * T, HK, HV, K, V)
+    token = _gdn_token(batch * T, HK, HV, K, V, gate)
     drafts = {name: x.reshape(batch, T, *x.shape[1:]) for name, x in token.items()}
     qstate.gated_delta_replay_verify(cache, **drafts, out=_bf16(batch, T, HV, V))
     return launches
 
 
-def launch_gdn_commit(read, T=4, batch=BATCH):
+def launch_gdn_commit(read, T=4, batch=BATCH, layer="qwen3.5-122b-a10b"):
     import qstate
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_commit_plan")
     speculative.gpu.sm_count = lambda device: H100_SMS  # the fold's grid, with no GPU to ask
     launches = record(speculative, ["_commit_list_kernel", "_commit_fold_kernel", "_commit_cursor_kernel"])
-    HK, HV, K, V = GDN_LAYER
-    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate="scalar", ring_len=16, read=read,
+    HK, HV, K, V, gate = _gdn_layer(layer)
+    cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16, read=read,
                                                   device="cpu", max_draft=T)
     speculative.launch_commit(torch.full((batch,), T, dtype=torch.int32), None, *cache.tensors().values(),
                               checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, max_draft=T,
@@ -280,16 +286,19 @@ def main(argv=None) -> int:
     parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     parser.add_argument("--mix", type=int, default=0, help="also print the N most frequent instructions")
+    from .cases_gated_delta import LAYERS
+    parser.add_argument("--layer", default="qwen3.5-122b-a10b", choices=tuple(LAYERS),
+                        help="gated delta layer of the gdn-* ops")
     args = parser.parse_args(argv)
     for assignment in args.set:
         set_constant(assignment)
     read = None if args.read == "none" else args.read
     launches = {"replay": lambda: launch_replay(read, args.checkpoint), "verify": lambda: launch_verify(read),
                 "conventional": lambda: launch_conventional(args.format),
-                "gdn-conventional": lambda: launch_gdn_conventional(args.format),
-                "gdn-replay": lambda: launch_gdn_replay(read, args.checkpoint),
-                "gdn-verify": lambda: launch_gdn_verify(read),
-                "gdn-commit": lambda: launch_gdn_commit(read)}[args.op]()
+                "gdn-conventional": lambda: launch_gdn_conventional(args.format, layer=args.layer),
+                "gdn-replay": lambda: launch_gdn_replay(read, args.checkpoint, layer=args.layer),
+                "gdn-verify": lambda: launch_gdn_verify(read, layer=args.layer),
+                "gdn-commit": lambda: launch_gdn_commit(read, layer=args.layer)}[args.op]()
     for name, kernel, grid, call_args, kwargs in launches:
         compiled, num_warps = compile_sm90(kernel, call_args, kwargs)
         registers, shared, local, instructions, bodies = count(compiled)
