@@ -42,6 +42,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from qstate.kernels.common.launch import replace_kernel  # noqa: E402
 
 from .breakdown import set_constant  # noqa: E402
+from .cases_gated_delta import LAYERS, MAIN  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8",
           torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
@@ -206,25 +207,19 @@ def _gpu_plans(module, name="_plan"):
     gpu.capability = lambda device: (9, 0)  # the listings are sm_90's, so is the plans' device
 
 
-def _gdn_layer(layer):
-    """``(HK, HV, K, V, gate)`` of a gated delta layer of the benchmarks."""
-    from .cases_gated_delta import LAYERS
-    return LAYERS[layer]
-
-
 def _gdn_token(batch, HK, HV, K, V, gate="scalar"):
     g = -torch.rand(batch, HV, K) if gate == "channel" else -torch.rand(batch, HV)
     return dict(q=_bf16(batch, HK, K), k=_bf16(batch, HK, K), v=_bf16(batch, HV, V), g=g,
                 beta=torch.rand(batch, HV).to(torch.bfloat16))
 
 
-def launch_gdn_conventional(text, batch=BATCH, layer="qwen3.5-122b-a10b"):
+def launch_gdn_conventional(text, batch=BATCH, layer=MAIN):
     import qstate
     from qstate import formats
     from qstate.kernels.gated_delta import conventional
     _gpu_plans(conventional)
     launches = record(conventional, ["_conventional_kernel"])
-    HK, HV, K, V, gate = _gdn_layer(layer)
+    HK, HV, K, V, gate = LAYERS[layer]
     fmt = formats.StateFormat.parse(text)
     q = formats.quantize(torch.randn(batch, HV, V, K), fmt)
     qstate.gated_delta_update(q.data, **_gdn_token(batch, HK, HV, K, V, gate), state_scale=q.scale, state_format=text,
@@ -236,24 +231,24 @@ def launch_gdn_conventional(text, batch=BATCH, layer="qwen3.5-122b-a10b"):
 H100_SMS = 132
 
 
-def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH, layer="qwen3.5-122b-a10b"):
+def launch_gdn_replay(read, checkpoint="fp32", batch=BATCH, layer=MAIN):
     import qstate
     from qstate.kernels.gated_delta import replay
     _gpu_plans(replay)
     launches = record(replay, [name for name in vars(replay) if name.startswith("_") and name.endswith("_kernel")])
-    HK, HV, K, V, gate = _gdn_layer(layer)
+    HK, HV, K, V, gate = LAYERS[layer]
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16,
                                                   checkpoint=checkpoint, read=read, device="cpu")
     qstate.gated_delta_replay(cache, **_gdn_token(batch, HK, HV, K, V, gate), out=_bf16(batch, HV, V))
     return launches
 
 
-def launch_gdn_verify(read, T=4, batch=BATCH, layer="qwen3.5-122b-a10b"):
+def launch_gdn_verify(read, T=4, batch=BATCH, layer=MAIN):
     import qstate
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_verify_plan")
     launches = record(speculative, ["_verify_kernel"])
-    HK, HV, K, V, gate = _gdn_layer(layer)
+    HK, HV, K, V, gate = LAYERS[layer]
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16, read=read,
                                                   device="cpu", max_draft=T)
     token = _gdn_token(batch * T, HK, HV, K, V, gate)
@@ -262,13 +257,13 @@ def launch_gdn_verify(read, T=4, batch=BATCH, layer="qwen3.5-122b-a10b"):
     return launches
 
 
-def launch_gdn_commit(read, T=4, batch=BATCH, layer="qwen3.5-122b-a10b"):
+def launch_gdn_commit(read, T=4, batch=BATCH, layer=MAIN):
     import qstate
     from qstate.kernels.gated_delta import speculative
     _gpu_plans(speculative, "_commit_plan")
     speculative.gpu.sm_count = lambda device: H100_SMS  # the fold's grid, with no GPU to ask
     launches = record(speculative, ["_commit_list_kernel", "_commit_fold_kernel", "_commit_cursor_kernel"])
-    HK, HV, K, V, gate = _gdn_layer(layer)
+    HK, HV, K, V, gate = LAYERS[layer]
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16, read=read,
                                                   device="cpu", max_draft=T)
     speculative.launch_commit(torch.full((batch,), T, dtype=torch.int32), None, *cache.tensors().values(),
@@ -286,8 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("--format", default="int8:row", help="state format of the conventional kernel")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     parser.add_argument("--mix", type=int, default=0, help="also print the N most frequent instructions")
-    from .cases_gated_delta import LAYERS
-    parser.add_argument("--layer", default="qwen3.5-122b-a10b", choices=tuple(LAYERS),
+    parser.add_argument("--layer", default=MAIN, choices=tuple(LAYERS),
                         help="gated delta layer of the gdn-* ops")
     args = parser.parse_args(argv)
     for assignment in args.set:
