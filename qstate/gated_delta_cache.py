@@ -13,6 +13,7 @@ tensor              shape                                              dtype
 ``ring_v``          ``(slots, HV, capacity, V)``                       ``input_dtype``
 ``ring_g``          ``(slots, HV, capacity)`` or ``(…, capacity, K)``  fp32: log-space gates
 ``ring_beta``       ``(slots, HV, capacity)``                          fp32
+``ring_inverse``    ``(slots, HV, ring_len, ring_len)`` or None         fp32: rows of ``(I + B)⁻¹``
 ``cursor``          ``(slots,)``                                       int32: tokens in the ring
 ``drafts``          ``(slots,)``                                       int32: pending drafts
 ``commit_errors``   ``(1,)``                                           int32: error bits
@@ -23,6 +24,10 @@ The ring holds the layer's own inputs, never the corrected value (``docs/design.
 keys per key head as the caller gave them (normalized where read), values, gates and β per value
 head; each head's ring is one contiguous block, read by a program in one sweep. ``ring_g`` has
 one gate per head (``gate="scalar"``, GDN) or one per key channel (``gate="channel"``, KDA).
+``ring_inverse`` (caches without ``max_draft``) holds, for each token the ring holds, its row of
+``(I + B)⁻¹``, the matrix by which a flush carries earlier corrections into later reads
+(``kernels/gated_delta/README.md#replay``): the step that appends token j writes row j, so a
+flush reads rows it need not compute. Rows at and past the cursor are never read.
 
 Speculative decoding (:func:`qstate.gated_delta_replay_verify`,
 :func:`qstate.gated_delta_replay_commit`; kernels/gated_delta/README.md#speculative) needs room
@@ -94,12 +99,16 @@ class GatedDeltaReplayCache:
     drafts: Optional[torch.Tensor] = None
     commit_errors: Optional[torch.Tensor] = None
     slot_flags: Optional[torch.Tensor] = None
+    ring_inverse: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         # Small counters not given get zeroed tensors here.
         for name, shape in (("drafts", self.cursor.shape), ("commit_errors", (1,)), ("slot_flags", self.cursor.shape)):
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros(shape, dtype=torch.int32, device=self.cursor.device))
+        if self.ring_inverse is None and self.max_draft == 0:
+            slots, HV, L = self.ring_beta.shape
+            self.ring_inverse = torch.zeros((slots, HV, L, L), dtype=torch.float32, device=self.ring_beta.device)
 
     @classmethod
     def allocate(
@@ -155,6 +164,7 @@ class GatedDeltaReplayCache:
         read_format: Optional[FormatLike] = None, read: Optional[torch.Tensor] = None,
         read_scale: Optional[torch.Tensor] = None, max_draft: int = 0, drafts: Optional[torch.Tensor] = None,
         commit_errors: Optional[torch.Tensor] = None, slot_flags: Optional[torch.Tensor] = None,
+        ring_inverse: Optional[torch.Tensor] = None, use_qk_l2norm: bool = True,
     ) -> "GatedDeltaReplayCache":
         """A cache over tensors the caller owns (shapes and dtypes in the module docstring);
         nothing is copied or cleared: zero ``drafts`` and ``commit_errors`` and :meth:`reset`
@@ -162,7 +172,10 @@ class GatedDeltaReplayCache:
         allocated, zeroed, when not given). The ring holds ``ring_k.shape[2] = ring_len +
         max_draft`` tokens. The cursors and drafts are read once here (one host sync) and must
         lie in the ring: ``0 <= cursor < ring_len`` and ``0 <= drafts <= max_draft`` (a cursor that
-        memory written later puts outside is met on the device: ``SLOT_BAD_CURSOR``)."""
+        memory written later puts outside is met on the device: ``SLOT_BAD_CURSOR``).
+        ``ring_inverse`` (without ``max_draft``): as another cache's held it over the same ring;
+        None allocates it and computes its rows from the ring's tokens below the cursors, with
+        ``use_qk_l2norm`` as the steps will take it."""
         ck_fmt, rd_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
         _cache_slots.check_max_draft(max_draft)
         _validate.tensor("ring_k", ring_k, ndim=4)
@@ -172,10 +185,14 @@ class GatedDeltaReplayCache:
         cache = cls(checkpoint_format=ck_fmt, read_format=rd_fmt, checkpoint=checkpoint, read=read,
                     read_scale=read_scale, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
                     cursor=cursor, max_draft=max_draft, drafts=drafts, commit_errors=commit_errors,
-                    slot_flags=slot_flags)
+                    slot_flags=slot_flags, ring_inverse=ring_inverse)
         cache.validate()
         _cache_slots.check_counter("cursor", cursor, cache.ring_len, "")
         _cache_slots.check_counter("drafts", cache.drafts, max_draft + 1, "")
+        if ring_inverse is None and max_draft == 0:
+            if not isinstance(use_qk_l2norm, bool):
+                raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
+            cache._rebuild_ring_inverse(use_qk_l2norm)
         return cache
 
     def validate(self) -> None:
@@ -213,6 +230,11 @@ class GatedDeltaReplayCache:
         _cache_slots.expect_optional(expected, "read_scale", self.read_scale,
                                      None if rd is None or not rd.scaled else (rd.scale_shape(shape), torch.float32),
                                      rd)
+        if self.max_draft:
+            if self.ring_inverse is not None:
+                raise ValueError(f"ring_inverse: expected None with max_draft = {self.max_draft}, got a tensor")
+        else:
+            expected["ring_inverse"] = (self.ring_inverse, (slots, HV, L, L), torch.float32)
         _validate.cache_tensors(expected, self.checkpoint.device)
 
     # ---------------------------------------------------------------- sizes
@@ -260,8 +282,8 @@ class GatedDeltaReplayCache:
         return self.ring_k.dtype
 
     def tensors(self) -> dict:
-        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor", "drafts",
-                 "commit_errors", "slot_flags")
+        names = ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "ring_inverse",
+                 "cursor", "drafts", "commit_errors", "slot_flags")
         return {n: getattr(self, n) for n in names}
 
     @property
@@ -273,7 +295,9 @@ class GatedDeltaReplayCache:
         """Bytes of cache traffic per slot and decode step, averaged over one flush cycle: the
         state read of the ``ring_len − 1`` normal steps (read copy with scales, or checkpoint),
         the flush (read and write the checkpoint, write the read copy), each token's append and
-        the ring reads (``n`` tokens at a normal step ``n``, ``L − 1`` at the flush). Decode
+        the ring reads (``n`` tokens at a normal step ``n``, ``L − 1`` at the flush), and the
+        rows of ``ring_inverse`` (``n`` read and one written at a normal step ``n``, ``L − 1``
+        read at the flush). Decode
         inputs and outputs are not included. For :func:`qstate.gated_delta_replay` (caches
         without ``max_draft``)."""
         L = self.ring_len
@@ -283,7 +307,9 @@ class GatedDeltaReplayCache:
                                                                        self.ring_beta))
         flush = 2 * ck + (0 if self.read is None else rd)
         ring_reads = (L - 1) * (L - 2) // 2 + (L - 1)
-        return ((L - 1) * rd + flush + (ring_reads + L) * per_token) / L
+        inverse_rows = ring_reads + (L - 1)
+        inverse = 0 if self.ring_inverse is None else inverse_rows * self.num_v_heads * L * 4
+        return ((L - 1) * rd + flush + (ring_reads + L) * per_token + inverse) / L
 
     # ---------------------------------------------------------------- admission and read-out
 
@@ -334,4 +360,33 @@ class GatedDeltaReplayCache:
                 d = beta * (self.ring_v[slot, :, j].double() - (s * k[:, None, :]).sum(-1))
                 S[row] = s + d[..., None] * k[:, None, :]
         return S.float()
+
+    def _rebuild_ring_inverse(self, use_qk_l2norm: bool) -> None:
+        """``ring_inverse``'s rows below each slot's cursor from the ring's tokens, in fp64 (what
+        the steps that appended them would have written, up to fp32 rounding); zero elsewhere."""
+        L, group = self.ring_len, self.num_v_heads // self.num_k_heads
+        position = torch.arange(L, device=self.device)
+        self.ring_inverse.zero_()
+        for slot, count in enumerate(self.cursor.tolist()):
+            live = position < count
+            earlier = (position[None, :] < position[:, None]) & live[:, None] & live[None, :]  # [L, L]: i < j
+            k = self.ring_k[slot]
+            k = (l2norm(k) if use_qk_l2norm else k).double().repeat_interleave(group, dim=0)  # [HV, L, K]
+            k = torch.where(live[None, :, None], k, 0.0)
+            beta = torch.where(live, self.ring_beta[slot].double(), 0.0)  # [HV, L]
+            gamma = torch.cumsum(torch.where(self._live_gates(live), self.ring_g[slot].double(), 0.0), dim=1)
+            if gamma.dim() == 3:  # a decay per key channel: [HV, L, L, K]
+                exponent = torch.where(earlier[None, :, :, None], gamma[:, :, None, :] - gamma[:, None, :, :], 0.0)
+                gram = torch.einsum("hjc,hic,hjic->hji", k, k, torch.exp(exponent))
+            else:
+                exponent = torch.where(earlier[None], gamma[:, :, None] - gamma[:, None, :], 0.0)
+                gram = (k @ k.transpose(1, 2)) * torch.exp(exponent)
+            B = torch.where(earlier[None], beta[:, :, None] * gram, 0.0)
+            identity = torch.eye(L, dtype=torch.float64, device=self.device).expand_as(B)
+            inverse = torch.linalg.solve_triangular(identity + B, identity, upper=False, unitriangular=True)
+            self.ring_inverse[slot] = torch.where(live[None, :, None], inverse, 0.0).float()
+
+    def _live_gates(self, live: torch.Tensor) -> torch.Tensor:
+        """``live [L]`` broadcast over one slot's ``ring_g`` (``[HV, L]`` or ``[HV, L, K]``)."""
+        return live[None, :, None] if self.ring_g.dim() == 4 else live[None, :]
 

@@ -17,7 +17,8 @@ and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
   finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The sweep runs once per
   program, then each chunk streams its rows. The state is read once, in the read copy's format,
-  and nothing but the ring entry is written.
+  and nothing but the ring entry and, by V-tile 0, the token's row of ``(I + B)⁻¹`` (below) is
+  written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
   its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
   returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
@@ -25,7 +26,8 @@ and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
   ``FOLD_PRECISION`` on a GPU). With ``Γ_j`` the summed log-gates up to token j (per key
   channel for KDA), the reads ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
   ``D = β (V_ring − W)(I + B)⁻ᵀ`` (``B_ji = β_j k̂_j·k̂_i e^{Γ_j − Γ_i}`` for ``i < j``: how an
-  earlier correction reaches a later read) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
+  earlier correction reaches a later read; row j of ``(I + B)⁻¹`` kept in ``ring_inverse`` by
+  the step that appended token j, the last row computed here) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
   equal the token-by-token fold (``S ← S diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``)
   up to the order of the sums, in three matrix products instead of ``L`` serial rank-1
   updates. It appends v, outputs ``S q̂`` from the unrounded result, stores it in the
@@ -64,6 +66,9 @@ WARPS = 1
 V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
 PREFETCH = False
+# The current token's row of (I + B)⁻¹ from K-sums inside the unrolled sweep (sm_90 fp8 read: 120
+# registers, +472 instructions) or a loop before it (95 registers, +264, its loads serial).
+INVERSE_IN_SWEEP = True
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's V tiles and chunks.
 INTERPRETER_SPLIT = None
@@ -103,7 +108,8 @@ def _plan(K, V, num_v_heads, batch, device, ring_len, ck_code, ck_qmax, has_read
     use_pdl = pdl.enabled(device) and batch < PDL_BELOW_BATCH
     step = dict(L=ring_len, RING_PAD=max(16, sizes.next_power_of_2(ring_len)), CK_DTYPE=ck_code, HAS_READ=has_read,
                 RD_DTYPE=rd_code, RD_GRAN=rd_gran, HW=hw, CHANNEL=channel, L2NORM=l2norm, HAS_SLOTS=has_slots,
-                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH, PDL=use_pdl,
+                OUT_BF16=out_bf16, BLOCK_V=block_v, BLOCK_K=block_k, V_LOOP=v_loop, PREFETCH=PREFETCH,
+                INVERSE_IN_SWEEP=INVERSE_IN_SWEEP, PDL=use_pdl,
                 num_warps=warps, **pdl.launch_options(use_pdl))
     flush_v, flush_warps, precision = tile.fold_tile(block_k, V, FLUSH_ROWS, FLUSH_WARPS, FOLD_PRECISION,
                                                      device.type == "cuda",
@@ -135,7 +141,7 @@ def prepare(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
     entry (``kernels/common/launch.py``), or None where they cannot be
     (``CompiledLaunch.prepare``). ``tensors``: what the op's repeat calls pass, ``(q, k, v, g,
     beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
-    cursor, slot_flags, row_cursor)``, each the tensor given to the launcher or one it is a view
+    ring_inverse, cursor, slot_flags, row_cursor)``, each the tensor given to the launcher or one it is a view
     of at the same address."""
     on_gpu = args[0].device.type == "cuda"
     leading = _leading(*tensors)
@@ -147,12 +153,12 @@ def prepare(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
 
 
 def _leading(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
-             cursor, slot_flags, row_cursor) -> tuple:
+             ring_inverse, cursor, slot_flags, row_cursor) -> tuple:
     """The tensors that open both kernels' argument lists, in order; the checkpoint stands for an
     absent read copy and its scales (never read: constexpr flags)."""
     return (q, k, v, g, beta, slot_indices, out, checkpoint, read if read is not None else checkpoint,
-            read_scale if read_scale is not None else checkpoint, ring_k, ring_v, ring_g, ring_beta, cursor,
-            slot_flags, row_cursor)
+            read_scale if read_scale is not None else checkpoint, ring_k, ring_v, ring_g, ring_beta, ring_inverse,
+            cursor, slot_flags, row_cursor)
 
 
 def _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scale: float, use_qk_l2norm: bool):
@@ -172,7 +178,8 @@ def _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scal
     read = codec.storage_view(cache.read, rd_fmt) if has_read else None
     out_view = out.view(torch.int16) if out_bf16 else out
     args = (*_leading(q, k, v, g, beta, slot_indices, out_view, checkpoint, read, cache.read_scale, cache.ring_k,
-                      cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, row_cursor),
+                      cache.ring_v, cache.ring_g, cache.ring_beta, cache.ring_inverse, cache.cursor, cache.slot_flags,
+                      row_cursor),
             float(qk_scale), cache.num_slots, k.shape[1], num_v_heads, K, V, num_v_heads // k.shape[1],
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2], *beta.stride()[:2],
             *out.stride()[:2])

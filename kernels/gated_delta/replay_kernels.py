@@ -16,46 +16,82 @@ NO_CURSOR = tl.constexpr(-1)
 
 
 @triton.jit
-def _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM: tl.constexpr,
-                 CHANNEL: tl.constexpr):
-    """``T`` carried back through the ring's ``i``-th newest token (key as ``r k``, no quotient
-    per element), its coefficient kept at its ring position in ``c``; nothing past ``n``."""
+def _sweep_token(T, P, c, b, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM: tl.constexpr,
+                 CHANNEL: tl.constexpr, KEEP_ROW: tl.constexpr):
+    """``T`` carried back through the ring's ``i``-th newest token j (key as ``r k``, no quotient
+    per element), its coefficient ``β_j k̂_j·T`` kept at its ring position in ``c``; with
+    ``KEEP_ROW`` also ``B_nj = k̂_j·P`` in ``b`` and ``P`` decayed past j. Nothing past ``n``."""
     j = tl.maximum(n - 1 - i, 0)
     kj, rj, aj, bj = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
     c_j = bj * rj * tl.sum(kj * T, axis=0)  # β k̂·T, k̂ = r k
     live = (tl.zeros_like(cols) + i) < n
     T = tl.where(live, aj * (T - (c_j * rj) * kj), T)
-    return T, tl.where((positions == n - 1 - i) & (i < n), c_j, c)
+    at_j = (positions == n - 1 - i) & (i < n)
+    if KEEP_ROW:
+        b = tl.where(at_j, rj * tl.sum(kj * P, axis=0), b)
+        P = aj * P
+    return T, P, tl.where(at_j, c_j, c), b
 
 
 @triton.jit
 def _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L: tl.constexpr, L2NORM: tl.constexpr,
-           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr):
+           CHANNEL: tl.constexpr, RING_PAD: tl.constexpr, KEEP_ROW: tl.constexpr):
     """The adjoint sweep of a normal row: ``T ← q̂`` carried back through the current token and
     the ring's ``n`` tokens, newest first, unrolled and masked past the cursor so every ring load
-    issues up front. Returns ``T [BLOCK_K]`` and each token's ``c [RING_PAD]`` by ring position
-    (the current token's at ``n``)."""
+    issues up front. Returns ``T [BLOCK_K]``, each token's ``c [RING_PAD]`` by ring position
+    (the current token's at ``n``) and, with ``KEEP_ROW``, the current token's row of ``B``
+    (:func:`_inverse_row_terms`' ``b``, by ``P`` carried along the same tokens; else zeros)."""
     positions = tl.arange(0, RING_PAD)
     T = q
     c_now = beta * tl.sum(k * T, axis=0)
     T = alpha * (T - c_now * k)
+    P = beta * alpha * k
     c = tl.where(positions == n, c_now, 0.0)
+    b = tl.zeros([RING_PAD], tl.float32)
     for i in tl.static_range(L - 1):
-        T, c = _sweep_token(T, c, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL)
-    return T, c
+        T, P, c, b = _sweep_token(T, P, c, b, positions, i, n, ring_k, ring_g, ring_beta, cols, K, L2NORM, CHANNEL,
+                                  KEEP_ROW)
+    return T, c, b
+
+
+@triton.jit
+def _inverse_row_terms(ring_k, ring_g, ring_beta, k, alpha, beta, n, positions, cols, K, L2NORM: tl.constexpr,
+                       CHANNEL: tl.constexpr):
+    """The current token's row of ``B`` by ring position: ``b_j = B_nj = k̂_j·P_j`` for j < n,
+    ``P ← β_n α_n k̂_n`` decayed back token by token (``P_j = β_n e^{Γ_n − Γ_j} k̂_n``), in a
+    loop that holds one key at a time."""
+    P = beta * alpha * k
+    b = tl.zeros_like(positions.to(tl.float32))
+    for i in range(0, n):
+        j = n - 1 - i
+        kj, rj, aj, _ = ring_token(ring_k, ring_g, ring_beta, j, cols, K, L2NORM, CHANNEL)
+        b = tl.where(positions == j, rj * tl.sum(kj * P, axis=0), b)
+        P = aj * P
+    return b
+
+
+@triton.jit
+def _keep_inverse_row(inverse_head, b, n, positions, L: tl.constexpr):
+    """Row ``n`` of ``(I + B)⁻¹`` (the current token's) stored at ``inverse_head + n · L`` by
+    forward substitution over the rows the earlier steps kept: ``e_n − Σ_{j<n} b_j row_j``."""
+    kept = tl.load(inverse_head + positions[:, None] * L + positions[None, :],
+                   mask=(positions < n)[:, None] & (positions < L)[None, :], other=0.0)  # [RING_PAD, RING_PAD]
+    row = tl.where(positions == n, 1.0, 0.0) - tl.sum(b[:, None] * kept, axis=0)
+    tl.store(inverse_head + n * L + positions, row, mask=positions < L)
 
 
 @triton.jit
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
-    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, ring_inverse_ptr, cursor_ptr,
+    flags_ptr, row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, RING_PAD: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
     RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr,
     L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, V_LOOP: tl.constexpr, PREFETCH: tl.constexpr, INVERSE_IN_SWEEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl.grid_dependency(PDL)
     v_part = tl.program_id(0)
@@ -124,9 +160,16 @@ def _replay_step_kernel(
             rows = v_part * V_LOOP * BLOCK_V + lanes
             codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                          base_scale_ptr, BASE_GRAN, BLOCK_K)
-            T, c = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                          RING_PAD)
             positions = tl.arange(0, RING_PAD)
+            inverse_head = ring_inverse_ptr + ring_head * L * L
+            if (v_part == 0) & (not INVERSE_IN_SWEEP):
+                b_row = _inverse_row_terms(ring_k, ring_g, ring_beta, k, alpha, beta, n, positions, cols, K, L2NORM,
+                                           CHANNEL)
+                _keep_inverse_row(inverse_head, b_row, n, positions, L)
+            T, c, b_row = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
+                                 RING_PAD, INVERSE_IN_SWEEP)
+            if (v_part == 0) & INVERSE_IN_SWEEP:
+                _keep_inverse_row(inverse_head, b_row, n, positions, L)
             c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
@@ -146,9 +189,9 @@ def _replay_step_kernel(
 
 @triton.jit
 def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr, read_ptr, read_scale_ptr,
-                ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale, num_k_heads, num_v_heads, K, V,
-                heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
-                s_beta_batch, s_beta_head, s_out_batch, s_out_head,
+                ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, ring_inverse_ptr, flags_ptr, qk_scale, num_k_heads,
+                num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head,
+                s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
                 L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
                 RD_DTYPE: tl.constexpr, RD_GRAN: tl.constexpr, RD_QMAX: tl.constexpr, RD_EMAX: tl.constexpr,
                 CK_QMAX: tl.constexpr, HW: tl.constexpr, CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
@@ -185,7 +228,10 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
                      other=0.0).to(tl.float32)  # [BLOCK_V, M]
     values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
-    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, L, cols, K, L2NORM, CHANNEL, M, PRECISION)
+    # Rows 0 … L − 2 of (I + B)⁻¹, kept by the steps that appended their tokens.
+    kept = tl.load(ring_inverse_ptr + ring_head * L * L + pos[:, None] * L + pos[None, :],
+                   mask=in_ring[:, None] & (pos < L)[None, :], other=0.0)  # [M, M]
+    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, kept, L, cols, K, L2NORM, CHANNEL, M)
     head = ring_head * V * K
     S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
     S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)
@@ -204,8 +250,8 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
 @triton.jit
 def _replay_flush_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, out_ptr,
-    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, cursor_ptr, flags_ptr,
-    row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
+    ck_ptr, read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, ring_inverse_ptr, cursor_ptr,
+    flags_ptr, row_cursor_ptr, qk_scale, num_slots, num_k_heads, num_v_heads, K, V, heads_per_group,
     s_q_batch, s_q_head, s_k_batch, s_k_head, s_v_batch, s_v_head, s_g_batch, s_g_head,
     s_beta_batch, s_beta_head, s_out_batch, s_out_head,
     L: tl.constexpr, M: tl.constexpr, CK_DTYPE: tl.constexpr, HAS_READ: tl.constexpr,
@@ -228,7 +274,8 @@ def _replay_flush_kernel(
         tl.store(cursor_ptr + slot, tl.where(n + 1 == L, 0, n + 1))
     if n == L - 1:
         _flush_tile(b, slot, tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, ck_ptr,
-                    read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, flags_ptr, qk_scale,
+                    read_ptr, read_scale_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, ring_inverse_ptr,
+                    flags_ptr, qk_scale,
                     num_k_heads, num_v_heads, K, V, heads_per_group, s_q_batch, s_q_head, s_k_batch, s_k_head,
                     s_v_batch, s_v_head, s_g_batch, s_g_head, s_beta_batch, s_beta_head, s_out_batch, s_out_head,
                     L, M, CK_DTYPE, HAS_READ, RD_DTYPE, RD_GRAN, RD_QMAX, RD_EMAX, CK_QMAX, HW, CHANNEL, L2NORM,

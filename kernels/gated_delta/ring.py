@@ -53,53 +53,46 @@ def unit_lower_inverse(B, pos, M: tl.constexpr):
 
 
 @triton.jit
-def fold_operands(keys, g, beta, count, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
-                  M: tl.constexpr, PRECISION: tl.constexpr):
+def fold_operands(keys, g, beta, kept, count, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
+                  M: tl.constexpr):
     """What folding ``count`` tokens into a state takes, for every row of one head: the tokens
     (oldest first, ``M ≥ count`` positions, zero past ``count``) are raw keys ``[M, BLOCK_K]``,
-    log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``. With ``Γ_j = Σ_{i≤j} g_i``
-    (the decay from the state to token j), it returns ``(key_in, key_out, inverse, beta, decay)``:
-    ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j e^{Γ_last − Γ_j}``
-    (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with ``B_ji = β_j
-    (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later reads), β
-    zero past ``count``, and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`.
-    ``PRECISION``: the Gram product's ``tl.dot`` input precision."""
+    log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``; ``kept [M, M]`` holds rows
+    ``0 … count − 2`` of ``(I + B)⁻¹`` as the steps kept them (zero elsewhere). With ``Γ_j =
+    Σ_{i≤j} g_i`` (the decay from the state to token j), it returns ``(key_in, key_out, inverse,
+    beta, decay)``: ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j
+    e^{Γ_last − Γ_j}`` (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with
+    ``B_ji = β_j (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later
+    reads; its last row by forward substitution, ``e_last − Σ_i B_last,i inverse_i``, where
+    ``B_last,i = β_last k̂_last·key_out_i``), β zero past ``count``, and ``e^{Γ_last}`` (scalar
+    GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`."""
     pos = tl.arange(0, M)
     live = pos < count
+    last_token = pos == count - 1
     keys = keys.to(tl.float32)
     if L2NORM:
         norm = tl.sqrt_rn(tl.sum(keys * keys, axis=1) + tile.L2_EPS)  # [M]
         keys = tl.div_rn(keys, norm[:, None] + tl.zeros_like(keys))
     keys = tl.where(live[:, None], keys, 0.0)
     beta = tl.where(live, beta, 0.0)
-    before = pos[None, :] < pos[:, None]  # [M, M]: i < j
     if CHANNEL:
         g = tl.where(live[:, None] & (cols[None, :] < K), g, 0.0)
         gamma = tl.cumsum(g, axis=0)  # [M, BLOCK_K]
-        last = tl.sum(tl.where((pos == count - 1)[:, None], gamma, 0.0), axis=0)  # [BLOCK_K]
+        last = tl.sum(tl.where(last_token[:, None], gamma, 0.0), axis=0)  # [BLOCK_K]
         key_in = keys * tl.exp(gamma)
         key_out = keys * tl.exp(last[None, :] - gamma)
-        # B's columns one token at a time: the decays between two tokens differ per channel.
-        B = tl.zeros([M, M], tl.float32)
-        for i in tl.static_range(M):
-            at_i = (pos == i)[:, None]
-            key_i = tl.sum(tl.where(at_i, keys, 0.0), axis=0)  # [BLOCK_K]
-            gamma_i = tl.sum(tl.where(at_i, gamma, 0.0), axis=0)
-            decays = tl.exp(tl.minimum(gamma - gamma_i[None, :], 0.0))  # exponent ≤ 0 where it counts
-            column = tl.sum(keys * decays * key_i[None, :], axis=1)  # [M]
-            B = tl.where((pos == i)[None, :], column[:, None], B)
-        B = tl.where(before, B, 0.0)
-        decay = tl.exp(last)
     else:
         g = tl.where(live, g, 0.0)
         gamma = tl.cumsum(g, axis=0)  # [M]
-        last = tl.sum(tl.where(pos == count - 1, gamma, 0.0), axis=0)
+        last = tl.sum(tl.where(last_token, gamma, 0.0), axis=0)
         key_in = keys * tl.exp(gamma)[:, None]
         key_out = keys * tl.exp(last - gamma)[:, None]
-        gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [M, M]
-        B = tl.where(before, gram * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-        decay = tl.exp(last)
-    return key_in, key_out, unit_lower_inverse(beta[:, None] * B, pos, M), beta, decay
+    key_last = tl.sum(tl.where(last_token[:, None], keys, 0.0), axis=0)  # [BLOCK_K]
+    beta_last = tl.sum(tl.where(last_token, beta, 0.0), axis=0)
+    b_last = tl.where(pos < count - 1, beta_last * tl.sum(key_out * key_last[None, :], axis=1), 0.0)  # [M]
+    row_last = tl.where(last_token, 1.0, 0.0) - tl.sum(b_last[:, None] * kept, axis=0)  # [M]
+    inverse = tl.where(last_token[:, None], row_last[None, :], kept)
+    return key_in, key_out, inverse, beta, tl.exp(last)
 
 
 @triton.jit
@@ -146,8 +139,10 @@ def _staged_gamma(ring_g, pos, live, first, K):
 @triton.jit
 def stage_fold_operands(scratch, ring_k, ring_g, ring_beta, count, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
                         M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """:func:`fold_operands` then :func:`fold_update` of one head's ring (pointers at its first
-    entry: keys ``[·, K]``, log-gates, β), ``FOLD_KEY_COLUMNS`` key columns at a time, stored to
+    """:func:`fold_operands`' operands with the whole ``(I + B)⁻¹`` computed here (no step kept
+    rows of it: ``B`` from the Gram product, :func:`unit_lower_inverse`), then :func:`fold_update`,
+    of one head's ring (pointers at its first entry: keys ``[·, K]``, log-gates, β),
+    ``FOLD_KEY_COLUMNS`` key columns at a time, stored to
     ``scratch``: ``key_in [M, BLOCK_K]`` and ``update [M, BLOCK_K]`` (zero past K and ``count``)
     and, KDA, ``e^{Γ_last} [BLOCK_K]``. Returns ``e^{Γ_last}`` (GDN; KDA: 1, the row is
     in the scratch). Only ``[M, M]`` and ``[M, 32]`` pieces live at once, so a kernel that folds

@@ -20,10 +20,11 @@ _OP_NAME = "qstate::gated_delta_replay"
 class _CacheView:
     """The cache as the launcher reads it, rebuilt inside the custom op from its tensors."""
 
-    def __init__(self, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags, ck_format,
-                 rd_format):
+    def __init__(self, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, ring_inverse, cursor,
+                 slot_flags, ck_format, rd_format):
         self.checkpoint, self.read, self.read_scale = checkpoint, read, read_scale
-        self.ring_k, self.ring_v, self.ring_g, self.ring_beta, self.cursor = ring_k, ring_v, ring_g, ring_beta, cursor
+        self.ring_k, self.ring_v, self.ring_g, self.ring_beta = ring_k, ring_v, ring_g, ring_beta
+        self.ring_inverse, self.cursor = ring_inverse, cursor
         self.slot_flags = slot_flags
         self.checkpoint_format = _common.format_constants(ck_format).fmt
         self.read_format = None if rd_format == "" else _common.format_constants(rd_format).fmt
@@ -36,18 +37,18 @@ def _gated_delta_replay_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor, checkpoint: torch.Tensor, read: Optional[torch.Tensor],
     read_scale: Optional[torch.Tensor], ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
-    ring_beta: torch.Tensor, cursor: torch.Tensor, slot_flags: torch.Tensor, row_cursor: torch.Tensor,
-    checkpoint_format: str, read_format: str, qk_scale: float, use_qk_l2norm: bool,
+    ring_beta: torch.Tensor, ring_inverse: torch.Tensor, cursor: torch.Tensor, slot_flags: torch.Tensor,
+    row_cursor: torch.Tensor, checkpoint_format: str, read_format: str, qk_scale: float, use_qk_l2norm: bool,
 ) -> None:
-    cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, cursor, slot_flags,
-                       checkpoint_format, read_format)
+    cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, ring_inverse, cursor,
+                       slot_flags, checkpoint_format, read_format)
     _kernel.launch(cache, q, k, v, g, beta, slot_indices, out, row_cursor, qk_scale=qk_scale,
                    use_qk_l2norm=use_qk_l2norm)
 
 
 _gated_delta_replay_op = mutating_op(
     _OP_NAME, _gated_delta_replay_impl,
-    ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "cursor",
+    ("out", "checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "ring_inverse", "cursor",
      "slot_flags", "row_cursor"))
 # Checks once per signature; an eager GPU repeat launches what its first call prepared.
 _DISPATCH = Dispatch(_OP_NAME)
@@ -124,7 +125,8 @@ def gated_delta_replay(
         return out
     row_cursor = torch.empty(v.shape[0], dtype=torch.int32, device=cache.device)
     tensors = (q, k, v, g, beta, slot_indices, out, cache.checkpoint, cache.read, cache.read_scale, cache.ring_k,
-               cache.ring_v, cache.ring_g, cache.ring_beta, cache.cursor, cache.slot_flags, row_cursor)
+               cache.ring_v, cache.ring_g, cache.ring_beta, cache.ring_inverse, cache.cursor, cache.slot_flags,
+               row_cursor)
     run_eagerly = eager(v)
     if run_eagerly and entry.launch(*tensors):
         return out

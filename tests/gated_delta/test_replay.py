@@ -144,10 +144,44 @@ def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, chunked):
         if t == 1:
             cache.reset([2], torch.randn(1, 2, 16, 32))
             tracker.reset(2)
-    for name in ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta"):
+    for name in ("checkpoint", "read", "read_scale", "ring_k", "ring_v", "ring_g", "ring_beta", "ring_inverse"):
         for slot in (1, 4):
             assert torch.equal(bits_of(getattr(cache, name)[slot]), bits_of(untouched[name][slot])), name
     assert cache.cursor.tolist() == [2, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("in_sweep", [True, False], ids=["in-sweep", "loop"])
+@pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
+def test_ring_inverse_rows_kept_by_the_steps_and_rebuilt_by_from_tensors(monkeypatch, channel, in_sweep):
+    """The step that appends token j writes row j of (I + B)⁻¹ (B_ji = β_j e^{Γ_j − Γ_i} k̂_j·k̂_i,
+    i < j), from K-sums in the sweep or in a loop before it; from_tensors computes the same rows
+    from the ring (fp64, then fp32), so a cache built mid-ring over another's tensors folds as
+    that one does. Rows past the cursor stay zero."""
+    from qstate.kernels.gated_delta import replay
+    monkeypatch.setattr(replay, "INVERSE_IN_SWEEP", in_sweep)
+    L, HK, HV, K, V, n = 8, 1, 2, 32, 16, 5
+    cache = allocate(2, channel=channel, ring_len=L, read=None, HK=HK, HV=HV, K=K, V=V)
+    cache.reset([0, 1], torch.randn(2, HV, V, K, generator=torch.Generator().manual_seed(4)))
+    for t in range(n):
+        qstate.gated_delta_replay(cache, **token(2, HK, HV, K, V, channel=channel, seed=50 + t))
+    kept = cache.ring_inverse.clone()
+    assert torch.equal(kept[:, :, n:], torch.zeros_like(kept[:, :, n:]))
+    # Lower triangular with a unit diagonal, and not the identity (the keys do interact).
+    rows = kept[:, :, :n, :n]
+    assert torch.equal(rows.diagonal(dim1=-2, dim2=-1), torch.ones(2, HV, n))
+    assert torch.equal(rows.triu(1), torch.zeros_like(rows)) and (rows.tril(-1).abs() > 1e-3).any()
+    clones = {name: getattr(cache, name).clone() for name in ("checkpoint", "ring_k", "ring_v", "ring_g", "ring_beta",
+                                                             "cursor")}
+    again = qstate.GatedDeltaReplayCache.from_tensors(**clones)
+    assert rel_rms(again.ring_inverse, kept) < 2.0**-20
+    assert torch.equal(again.ring_inverse[:, :, n:], torch.zeros_like(kept[:, :, n:]))
+    for t in range(n, L):
+        inp = token(2, HK, HV, K, V, channel=channel, seed=50 + t)
+        out, out_again = qstate.gated_delta_replay(cache, **inp), qstate.gated_delta_replay(again, **inp)
+    assert cache.cursor.tolist() == again.cursor.tolist() == [0, 0]
+    assert rel_rms(out_again, out) < bound(K, L) and rel_rms(again.checkpoint, cache.checkpoint) < bound(K, L)
+    with pytest.raises(TypeError, match="^use_qk_l2norm:"):
+        qstate.GatedDeltaReplayCache.from_tensors(**clones, use_qk_l2norm=1)
 
 
 def test_sizes_and_from_tensors():
@@ -177,6 +211,13 @@ def test_sizes_and_from_tensors():
         qstate.GatedDeltaReplayCache.from_tensors(
             checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
             ring_beta=cache.ring_beta, cursor=cache.cursor, read_format="int8:row", read_scale=cache.read_scale)
+    with pytest.raises(ValueError, match="^ring_inverse:"):
+        qstate.GatedDeltaReplayCache.from_tensors(
+            checkpoint=cache.checkpoint, ring_k=cache.ring_k, ring_v=cache.ring_v, ring_g=cache.ring_g,
+            ring_beta=cache.ring_beta, cursor=cache.cursor, read_format="int8:row", read=cache.read,
+            read_scale=cache.read_scale, ring_inverse=torch.zeros(2, 2, 4, 3))
+    assert cache.ring_inverse.shape == (2, 2, 4, 4)
+    assert qstate.GatedDeltaReplayCache.allocate(1, 1, 2, 32, 16, max_draft=2).ring_inverse is None
     with pytest.raises(ValueError, match="^checkpoint:"):
         allocate(1, channel=False, ring_len=4, read=None, checkpoint="int8:row")
     with pytest.raises(ValueError, match="^read:"):
@@ -327,8 +368,8 @@ def test_an_eager_repeat_launches_what_the_full_path_would(stand_in_kernels):
     names = ["_replay_step_kernel", "_replay_flush_kernel"]
     assert [(_launched_as(entry), entry[1]) for entry in log] == [("bind", n) for n in names] + [
         ("prepared", n) for n in names]
-    row_cursor = log[2][2][16]
-    assert log[3][2][16] is row_cursor and row_cursor is not log[0][2][16]
+    row_cursor = log[2][2][17]
+    assert log[3][2][17] is row_cursor and row_cursor is not log[0][2][17]
     s = second
     expected = replay._launches(caches[1], s["q"], s["k"], s["v"], s["g"], s["beta"], s["slot_indices"], s["out"],
                                 row_cursor, qk_scale=32 ** -0.5, use_qk_l2norm=True)
