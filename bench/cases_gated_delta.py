@@ -252,8 +252,8 @@ def check_variant(check, device, module_name, tag, **constants):
     conventional kernel's references' order (``FUSED_ON_GPU=False``) and its tiles in a loop
     (``V_LOOP=4, MIN_PROGRAMS=0``: q̂, k̂ and the gates reused across them); the replay launcher's
     ``MIN_PROGRAMS=0`` (``V_LOOP`` chunks per program, the sweep's result reused across them),
-    which its small grids never reach, and the step kernel's row of ``(I + B)⁻¹`` from a loop
-    (``INVERSE_IN_SWEEP=False``)."""
+    which its small grids never reach, and the KDA step kernel's row of ``(I + B)⁻¹`` from a
+    loop (``INVERSE_IN_SWEEP=False``)."""
     with launcher_constants(module_name, **constants):
         failures, report = check(device)
     return [f"{f} [{tag}]" for f in failures], [dict(r, check=f"{r['check']} [{tag}]") for r in report]
@@ -381,7 +381,6 @@ CONVENTIONAL_SWEEP = {
 REPLAY_SWEEP = {
     "default": {},
     "prefetch": {"PREFETCH": True},
-    "inverse-loop": {"INVERSE_IN_SWEEP": False},
     "flush-ieee": {"FOLD_PRECISION": "ieee"},
     "flush-64x4w": {"FLUSH_ROWS": 64, "FLUSH_WARPS": 4},
     "flush-128x4w": {"FLUSH_WARPS": 4},
@@ -408,7 +407,7 @@ def _retagged(case, tag, module_name, constants):
 
 def sweep_cases(device):
     """Tiles and code shapes of both ops against their defaults (``bench.run_gpu --sweep
-    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 46 cases."""
+    gated_delta``): the main layer at batch 256 (staggered replay cursors) and 16; 43 cases."""
     out = []
     for text, table in CONVENTIONAL_SWEEP.items():
         for tag, constants in table.items():
@@ -418,7 +417,7 @@ def sweep_cases(device):
     for ck, rd in REPLAY_FORMATS:
         for tag, constants in REPLAY_SWEEP.items():
             out.append(_retagged(replay_case(256, MAIN, ck, rd, device, staggered=True), tag, _REPLAY, constants))
-    for tag in ("default", "prefetch", "inverse-loop"):
+    for tag in ("default", "prefetch"):
         out.append(_retagged(replay_case(16, MAIN, "fp32", "fp8_e4m3:row", device), tag, _REPLAY, REPLAY_SWEEP[tag]))
     return out
 

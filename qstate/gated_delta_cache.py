@@ -24,10 +24,11 @@ The ring holds the layer's own inputs, never the corrected value (``docs/design.
 keys per key head as the caller gave them (normalized where read), values, gates and β per value
 head; each head's ring is one contiguous block, read by a program in one sweep. ``ring_g`` has
 one gate per head (``gate="scalar"``, GDN) or one per key channel (``gate="channel"``, KDA).
-``ring_inverse`` (caches without ``max_draft``) holds, for each token the ring holds, its row of
-``(I + B)⁻¹``, the matrix by which a flush carries earlier corrections into later reads
-(``kernels/gated_delta/README.md#replay``): the step that appends token j writes row j, so a
-flush reads rows it need not compute. Rows at and past the cursor are never read.
+``ring_inverse`` (KDA caches without ``max_draft``; None otherwise) holds, for each token the ring
+holds, its row of ``(I + B)⁻¹``, the matrix by which a flush carries earlier corrections into
+later reads (``kernels/gated_delta/README.md#replay``): the step that appends token j writes row
+j, so a flush reads rows it need not compute. Rows at and past the cursor are never read. A GDN
+flush computes the whole matrix from one Gram product, cheaper than keeping it.
 
 Speculative decoding (:func:`qstate.gated_delta_replay_verify`,
 :func:`qstate.gated_delta_replay_commit`; kernels/gated_delta/README.md#speculative) needs room
@@ -106,7 +107,7 @@ class GatedDeltaReplayCache:
         for name, shape in (("drafts", self.cursor.shape), ("commit_errors", (1,)), ("slot_flags", self.cursor.shape)):
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros(shape, dtype=torch.int32, device=self.cursor.device))
-        if self.ring_inverse is None and self.max_draft == 0:
+        if self.ring_inverse is None and self.keeps_inverse:
             slots, HV, L = self.ring_beta.shape
             self.ring_inverse = torch.zeros((slots, HV, L, L), dtype=torch.float32, device=self.ring_beta.device)
 
@@ -173,9 +174,9 @@ class GatedDeltaReplayCache:
         max_draft`` tokens. The cursors and drafts are read once here (one host sync) and must
         lie in the ring: ``0 <= cursor < ring_len`` and ``0 <= drafts <= max_draft`` (a cursor that
         memory written later puts outside is met on the device: ``SLOT_BAD_CURSOR``).
-        ``ring_inverse`` (without ``max_draft``): as another cache's held it over the same ring;
-        None allocates it and computes its rows from the ring's tokens below the cursors, with
-        ``use_qk_l2norm`` as the steps will take it."""
+        ``ring_inverse`` (KDA, without ``max_draft``): as another cache's held it over the same
+        ring; None allocates it and computes its rows from the ring's tokens below the cursors,
+        with ``use_qk_l2norm`` as the steps will take it."""
         ck_fmt, rd_fmt = _formats(checkpoint_format, read_format, ("checkpoint_format", "read_format"))
         _cache_slots.check_max_draft(max_draft)
         _validate.tensor("ring_k", ring_k, ndim=4)
@@ -189,7 +190,7 @@ class GatedDeltaReplayCache:
         cache.validate()
         _cache_slots.check_counter("cursor", cursor, cache.ring_len, "")
         _cache_slots.check_counter("drafts", cache.drafts, max_draft + 1, "")
-        if ring_inverse is None and max_draft == 0:
+        if ring_inverse is None and cache.keeps_inverse:
             if not isinstance(use_qk_l2norm, bool):
                 raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
             cache._rebuild_ring_inverse(use_qk_l2norm)
@@ -230,9 +231,10 @@ class GatedDeltaReplayCache:
         _cache_slots.expect_optional(expected, "read_scale", self.read_scale,
                                      None if rd is None or not rd.scaled else (rd.scale_shape(shape), torch.float32),
                                      rd)
-        if self.max_draft:
+        if not self.keeps_inverse:
             if self.ring_inverse is not None:
-                raise ValueError(f"ring_inverse: expected None with max_draft = {self.max_draft}, got a tensor")
+                why = f"max_draft = {self.max_draft}" if self.max_draft else 'gate "scalar"'
+                raise ValueError(f"ring_inverse: expected None with {why}, got a tensor")
         else:
             expected["ring_inverse"] = (self.ring_inverse, (slots, HV, L, L), torch.float32)
         _validate.cache_tensors(expected, self.checkpoint.device)
@@ -274,6 +276,11 @@ class GatedDeltaReplayCache:
         return "channel" if self.ring_g.dim() == 4 else "scalar"
 
     @property
+    def keeps_inverse(self) -> bool:
+        """Whether the steps keep rows of ``(I + B)⁻¹`` in ``ring_inverse`` (KDA, no drafts)."""
+        return self.max_draft == 0 and self.gate == "channel"
+
+    @property
     def device(self) -> torch.device:
         return self.checkpoint.device
 
@@ -295,10 +302,9 @@ class GatedDeltaReplayCache:
         """Bytes of cache traffic per slot and decode step, averaged over one flush cycle: the
         state read of the ``ring_len − 1`` normal steps (read copy with scales, or checkpoint),
         the flush (read and write the checkpoint, write the read copy), each token's append and
-        the ring reads (``n`` tokens at a normal step ``n``, ``L − 1`` at the flush), and the
+        the ring reads (``n`` tokens at a normal step ``n``, ``L − 1`` at the flush), and KDA's
         rows of ``ring_inverse`` (``n`` read and one written at a normal step ``n``, ``L − 1``
-        read at the flush). Decode
-        inputs and outputs are not included. For :func:`qstate.gated_delta_replay` (caches
+        read at the flush). Decode inputs and outputs are not included. For :func:`qstate.gated_delta_replay` (caches
         without ``max_draft``)."""
         L = self.ring_len
         ck = _cache_slots.slot_state_bytes(self.checkpoint, None)
@@ -374,19 +380,11 @@ class GatedDeltaReplayCache:
             k = (l2norm(k) if use_qk_l2norm else k).double().repeat_interleave(group, dim=0)  # [HV, L, K]
             k = torch.where(live[None, :, None], k, 0.0)
             beta = torch.where(live, self.ring_beta[slot].double(), 0.0)  # [HV, L]
-            gamma = torch.cumsum(torch.where(self._live_gates(live), self.ring_g[slot].double(), 0.0), dim=1)
-            if gamma.dim() == 3:  # a decay per key channel: [HV, L, L, K]
-                exponent = torch.where(earlier[None, :, :, None], gamma[:, :, None, :] - gamma[:, None, :, :], 0.0)
-                gram = torch.einsum("hjc,hic,hjic->hji", k, k, torch.exp(exponent))
-            else:
-                exponent = torch.where(earlier[None], gamma[:, :, None] - gamma[:, None, :], 0.0)
-                gram = (k @ k.transpose(1, 2)) * torch.exp(exponent)
+            # A log-gate per key channel: gamma [HV, L, K], exponent [HV, L, L, K].
+            gamma = torch.cumsum(torch.where(live[None, :, None], self.ring_g[slot].double(), 0.0), dim=1)
+            exponent = torch.where(earlier[None, :, :, None], gamma[:, :, None, :] - gamma[:, None, :, :], 0.0)
+            gram = torch.einsum("hjc,hic,hjic->hji", k, k, torch.exp(exponent))
             B = torch.where(earlier[None], beta[:, :, None] * gram, 0.0)
             identity = torch.eye(L, dtype=torch.float64, device=self.device).expand_as(B)
             inverse = torch.linalg.solve_triangular(identity + B, identity, upper=False, unitriangular=True)
             self.ring_inverse[slot] = torch.where(live[None, :, None], inverse, 0.0).float()
-
-    def _live_gates(self, live: torch.Tensor) -> torch.Tensor:
-        """``live [L]`` broadcast over one slot's ``ring_g`` (``[HV, L]`` or ``[HV, L, K]``)."""
-        return live[None, :, None] if self.ring_g.dim() == 4 else live[None, :]
-

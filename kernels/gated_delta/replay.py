@@ -17,8 +17,8 @@ and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
   and then the ring's tokens newest first, ``c = β k̂·T``, ``o += c v``, ``T = α ⊙ (T − c k̂)``;
   finally ``o += R_c T`` (the read copy's tile, or the checkpoint's). The sweep runs once per
   program, then each chunk streams its rows. The state is read once, in the read copy's format,
-  and nothing but the ring entry and, by V-tile 0, the token's row of ``(I + B)⁻¹`` (below) is
-  written.
+  and nothing but the ring entry and, KDA, by V-tile 0, the token's row of ``(I + B)⁻¹``
+  (below) is written.
 * ``n = L − 1`` (the row whose ring fills): the flush kernel's (the step kernel only appends
   its g, β and k). Flush kernel, grid ``(cdiv(V, BLOCK_V''), HV, batch)``, every other row
   returning at once: it loads the ring's ``L − 1`` tokens and the current one and folds them
@@ -26,8 +26,9 @@ and β by V-tile 0; k by V-tile 0 of the key head's first value head), then:
   ``FOLD_PRECISION`` on a GPU). With ``Γ_j`` the summed log-gates up to token j (per key
   channel for KDA), the reads ``W = S (k̂_j e^{Γ_j})_jᵀ``, the corrections
   ``D = β (V_ring − W)(I + B)⁻ᵀ`` (``B_ji = β_j k̂_j·k̂_i e^{Γ_j − Γ_i}`` for ``i < j``: how an
-  earlier correction reaches a later read; row j of ``(I + B)⁻¹`` kept in ``ring_inverse`` by
-  the step that appended token j, the last row computed here) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
+  earlier correction reaches a later read; GDN: from the Gram product; KDA, whose decays
+  differ per channel: row j kept in ``ring_inverse`` by the step that appended token j, the last
+  row computed here) and ``S ← S e^{Γ_L} + D (k̂_j e^{Γ_L − Γ_j})_j``
   equal the token-by-token fold (``S ← S diag(α)``, ``d = β (v − S k̂)``, ``S ← S + d k̂ᵀ``)
   up to the order of the sums, in three matrix products instead of ``L`` serial rank-1
   updates. It appends v, outputs ``S q̂`` from the unrounded result, stores it in the
@@ -66,8 +67,8 @@ WARPS = 1
 V_LOOP = 8
 # Load each chunk of the read copy (or checkpoint) one chunk ahead, the first during the sweep.
 PREFETCH = False
-# The current token's row of (I + B)⁻¹ from K-sums inside the unrolled sweep (sm_90 fp8 read: 120
-# registers, +472 instructions) or a loop before it (95 registers, +264, its loads serial).
+# KDA's token row of (I + B)⁻¹ from K-sums inside the unrolled sweep, or a loop before it: H100
+# Kimi-Linear staggered, no read / fp8 read, 297.4 / 212.3 µs against 312.0 / 218.5.
 INVERSE_IN_SWEEP = True
 # (BLOCK_V, V_LOOP) of interpreter launches; None: the whole V in one chunk (the interpreter pays
 # per program). Tests set it to run the GPU's V tiles and chunks.
@@ -155,10 +156,10 @@ def prepare(tensors, *args, **kwargs) -> Optional[PreparedLaunches]:
 def _leading(q, k, v, g, beta, slot_indices, out, checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta,
              ring_inverse, cursor, slot_flags, row_cursor) -> tuple:
     """The tensors that open both kernels' argument lists, in order; the checkpoint stands for an
-    absent read copy and its scales (never read: constexpr flags)."""
+    absent read copy, its scales and GDN's absent ``ring_inverse`` (never read: constexpr flags)."""
     return (q, k, v, g, beta, slot_indices, out, checkpoint, read if read is not None else checkpoint,
-            read_scale if read_scale is not None else checkpoint, ring_k, ring_v, ring_g, ring_beta, ring_inverse,
-            cursor, slot_flags, row_cursor)
+            read_scale if read_scale is not None else checkpoint, ring_k, ring_v, ring_g, ring_beta,
+            ring_inverse if ring_inverse is not None else checkpoint, cursor, slot_flags, row_cursor)
 
 
 def _launches(cache, q, k, v, g, beta, slot_indices, out, row_cursor, *, qk_scale: float, use_qk_l2norm: bool):

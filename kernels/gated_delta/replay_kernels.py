@@ -161,15 +161,19 @@ def _replay_step_kernel(
             codes, scale = tile.load_raw(base_codes + head, base_ptr, rows, cols, (rows < V) & PREFETCH, K, K,
                                          base_scale_ptr, BASE_GRAN, BLOCK_K)
             positions = tl.arange(0, RING_PAD)
+            # KDA keeps the token's row of (I + B)⁻¹ for the flush (GDN's flush computes its inverse).
+            KEEP_IN_SWEEP: tl.constexpr = CHANNEL and INVERSE_IN_SWEEP
             inverse_head = ring_inverse_ptr + ring_head * L * L
-            if (v_part == 0) & (not INVERSE_IN_SWEEP):
-                b_row = _inverse_row_terms(ring_k, ring_g, ring_beta, k, alpha, beta, n, positions, cols, K, L2NORM,
-                                           CHANNEL)
-                _keep_inverse_row(inverse_head, b_row, n, positions, L)
+            if CHANNEL and (not INVERSE_IN_SWEEP):
+                if v_part == 0:
+                    b_row = _inverse_row_terms(ring_k, ring_g, ring_beta, k, alpha, beta, n, positions, cols, K,
+                                               L2NORM, CHANNEL)
+                    _keep_inverse_row(inverse_head, b_row, n, positions, L)
             T, c, b_row = _sweep(q, k, alpha, beta, n, ring_k, ring_g, ring_beta, cols, K, L, L2NORM, CHANNEL,
-                                 RING_PAD, INVERSE_IN_SWEEP)
-            if (v_part == 0) & INVERSE_IN_SWEEP:
-                _keep_inverse_row(inverse_head, b_row, n, positions, L)
+                                 RING_PAD, KEEP_IN_SWEEP)
+            if KEEP_IN_SWEEP:
+                if v_part == 0:
+                    _keep_inverse_row(inverse_head, b_row, n, positions, L)
             c_now = tl.sum(tl.where(positions == n, c, 0.0), axis=0)
             for chunk in range(V_LOOP):
                 rows = (v_part * V_LOOP + chunk) * BLOCK_V + lanes
@@ -228,10 +232,14 @@ def _flush_tile(b, slot, v_tile, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     values = tl.load(ring_v + pos[None, :] * V + rows[:, None], mask=in_ring[None, :] & row_mask[:, None],
                      other=0.0).to(tl.float32)  # [BLOCK_V, M]
     values = tl.where(now[None, :], v_now.to(tl.float32)[:, None], values)
-    # Rows 0 … L − 2 of (I + B)⁻¹, kept by the steps that appended their tokens.
-    kept = tl.load(ring_inverse_ptr + ring_head * L * L + pos[:, None] * L + pos[None, :],
-                   mask=in_ring[:, None] & (pos < L)[None, :], other=0.0)  # [M, M]
-    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, kept, L, cols, K, L2NORM, CHANNEL, M)
+    if CHANNEL:
+        # Rows 0 … L − 2 of (I + B)⁻¹, kept by the steps that appended their tokens.
+        kept = tl.load(ring_inverse_ptr + ring_head * L * L + pos[:, None] * L + pos[None, :],
+                       mask=in_ring[:, None] & (pos < L)[None, :], other=0.0)  # [M, M]
+    else:
+        kept = tl.zeros([M, M], tl.float32)
+    key_in, key_out, inverse, beta, decay = fold_operands(keys, g, beta, kept, L, cols, K, L2NORM, CHANNEL, M,
+                                                          PRECISION)
     head = ring_head * V * K
     S = tile.load_tile(ck_ptr + head, ck_ptr, rows, cols, row_mask, K, K, 0, CK_DTYPE, 0, HW, BLOCK_V, BLOCK_K)
     S = fold_rows(S, values, key_in, key_out, inverse, beta, decay, CHANNEL, PRECISION)

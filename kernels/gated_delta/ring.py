@@ -54,18 +54,19 @@ def unit_lower_inverse(B, pos, M: tl.constexpr):
 
 @triton.jit
 def fold_operands(keys, g, beta, kept, count, cols, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
-                  M: tl.constexpr):
+                  M: tl.constexpr, PRECISION: tl.constexpr):
     """What folding ``count`` tokens into a state takes, for every row of one head: the tokens
     (oldest first, ``M ≥ count`` positions, zero past ``count``) are raw keys ``[M, BLOCK_K]``,
-    log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``; ``kept [M, M]`` holds rows
-    ``0 … count − 2`` of ``(I + B)⁻¹`` as the steps kept them (zero elsewhere). With ``Γ_j =
-    Σ_{i≤j} g_i`` (the decay from the state to token j), it returns ``(key_in, key_out, inverse,
-    beta, decay)``: ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j
-    e^{Γ_last − Γ_j}`` (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with
-    ``B_ji = β_j (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later
-    reads; its last row by forward substitution, ``e_last − Σ_i B_last,i inverse_i``, where
-    ``B_last,i = β_last k̂_last·key_out_i``), β zero past ``count``, and ``e^{Γ_last}`` (scalar
-    GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`."""
+    log-gates ``g`` (``[M]`` GDN, ``[M, BLOCK_K]`` KDA) and ``β [M]``. With ``Γ_j = Σ_{i≤j} g_i``
+    (the decay from the state to token j), it returns ``(key_in, key_out, inverse, beta, decay)``:
+    ``key_in = k̂_j e^{Γ_j}`` (what token j reads of the state), ``key_out = k̂_j e^{Γ_last − Γ_j}``
+    (what its correction leaves in the result), ``inverse = (I + B)⁻¹`` with ``B_ji = β_j
+    (k̂_j e^{Γ_j − Γ_i} k̂_iᵀ)`` for ``i < j`` (how earlier corrections reach later reads), β
+    zero past ``count``, and ``e^{Γ_last}`` (scalar GDN, ``[BLOCK_K]`` KDA): see :func:`fold_rows`.
+    GDN: ``B`` from the Gram product (``PRECISION``: its ``tl.dot`` input precision), then
+    :func:`unit_lower_inverse`. KDA: ``kept [M, M]`` holds rows ``0 … count − 2`` of the inverse as
+    the steps kept them (zero elsewhere), and only the last row is computed, by forward
+    substitution ``e_last − Σ_i B_last,i inverse_i`` with ``B_last,i = β_last k̂_last·key_out_i``."""
     pos = tl.arange(0, M)
     live = pos < count
     last_token = pos == count - 1
@@ -81,17 +82,21 @@ def fold_operands(keys, g, beta, kept, count, cols, K, L2NORM: tl.constexpr, CHA
         last = tl.sum(tl.where(last_token[:, None], gamma, 0.0), axis=0)  # [BLOCK_K]
         key_in = keys * tl.exp(gamma)
         key_out = keys * tl.exp(last[None, :] - gamma)
+        key_last = tl.sum(tl.where(last_token[:, None], keys, 0.0), axis=0)  # [BLOCK_K]
+        beta_last = tl.sum(tl.where(last_token, beta, 0.0), axis=0)
+        b_last = tl.where(pos < count - 1, beta_last * tl.sum(key_out * key_last[None, :], axis=1), 0.0)  # [M]
+        row_last = tl.where(last_token, 1.0, 0.0) - tl.sum(b_last[:, None] * kept, axis=0)  # [M]
+        inverse = tl.where(last_token[:, None], row_last[None, :], kept)
     else:
         g = tl.where(live, g, 0.0)
         gamma = tl.cumsum(g, axis=0)  # [M]
         last = tl.sum(tl.where(last_token, gamma, 0.0), axis=0)
         key_in = keys * tl.exp(gamma)[:, None]
         key_out = keys * tl.exp(last - gamma)[:, None]
-    key_last = tl.sum(tl.where(last_token[:, None], keys, 0.0), axis=0)  # [BLOCK_K]
-    beta_last = tl.sum(tl.where(last_token, beta, 0.0), axis=0)
-    b_last = tl.where(pos < count - 1, beta_last * tl.sum(key_out * key_last[None, :], axis=1), 0.0)  # [M]
-    row_last = tl.where(last_token, 1.0, 0.0) - tl.sum(b_last[:, None] * kept, axis=0)  # [M]
-    inverse = tl.where(last_token[:, None], row_last[None, :], kept)
+        before = pos[None, :] < pos[:, None]  # [M, M]: i < j
+        gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [M, M]
+        B = tl.where(before, gram * tl.exp(tl.where(before, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        inverse = unit_lower_inverse(beta[:, None] * B, pos, M)
     return key_in, key_out, inverse, beta, tl.exp(last)
 
 

@@ -37,7 +37,7 @@ def _gated_delta_replay_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     slot_indices: Optional[torch.Tensor], out: torch.Tensor, checkpoint: torch.Tensor, read: Optional[torch.Tensor],
     read_scale: Optional[torch.Tensor], ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
-    ring_beta: torch.Tensor, ring_inverse: torch.Tensor, cursor: torch.Tensor, slot_flags: torch.Tensor,
+    ring_beta: torch.Tensor, ring_inverse: Optional[torch.Tensor], cursor: torch.Tensor, slot_flags: torch.Tensor,
     row_cursor: torch.Tensor, checkpoint_format: str, read_format: str, qk_scale: float, use_qk_l2norm: bool,
 ) -> None:
     cache = _CacheView(checkpoint, read, read_scale, ring_k, ring_v, ring_g, ring_beta, ring_inverse, cursor,

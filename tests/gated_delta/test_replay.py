@@ -151,15 +151,20 @@ def test_staggered_cursors_slot_indices_padding_and_reset(monkeypatch, chunked):
 
 
 @pytest.mark.parametrize("in_sweep", [True, False], ids=["in-sweep", "loop"])
-@pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
-def test_ring_inverse_rows_kept_by_the_steps_and_rebuilt_by_from_tensors(monkeypatch, channel, in_sweep):
-    """The step that appends token j writes row j of (I + B)⁻¹ (B_ji = β_j e^{Γ_j − Γ_i} k̂_j·k̂_i,
-    i < j), from K-sums in the sweep or in a loop before it; from_tensors computes the same rows
-    from the ring (fp64, then fp32), so a cache built mid-ring over another's tensors folds as
-    that one does. Rows past the cursor stay zero."""
+def test_ring_inverse_rows_kept_by_the_steps_and_rebuilt_by_from_tensors(monkeypatch, in_sweep):
+    """A KDA step that appends token j writes row j of (I + B)⁻¹ (B_ji = β_j k̂_j·(e^{Γ_j − Γ_i} ⊙
+    k̂_i), i < j), from K-sums in the sweep or in a loop before it; from_tensors computes the same
+    rows from the ring (fp64, then fp32), so a cache built mid-ring over another's tensors folds
+    as that one does. Rows past the cursor stay zero. GDN caches keep none."""
     from qstate.kernels.gated_delta import replay
     monkeypatch.setattr(replay, "INVERSE_IN_SWEEP", in_sweep)
-    L, HK, HV, K, V, n = 8, 1, 2, 32, 16, 5
+    L, HK, HV, K, V, n, channel = 8, 1, 2, 32, 16, 5, True
+    gdn = allocate(2, channel=False, ring_len=L, read=None, HK=HK, HV=HV, K=K, V=V)
+    assert gdn.ring_inverse is None and not gdn.keeps_inverse
+    with pytest.raises(ValueError, match='^ring_inverse: expected None with gate "scalar"'):
+        qstate.GatedDeltaReplayCache.from_tensors(
+            checkpoint=gdn.checkpoint, ring_k=gdn.ring_k, ring_v=gdn.ring_v, ring_g=gdn.ring_g,
+            ring_beta=gdn.ring_beta, cursor=gdn.cursor, ring_inverse=torch.zeros(2, HV, L, L))
     cache = allocate(2, channel=channel, ring_len=L, read=None, HK=HK, HV=HV, K=K, V=V)
     cache.reset([0, 1], torch.randn(2, HV, V, K, generator=torch.Generator().manual_seed(4)))
     for t in range(n):
