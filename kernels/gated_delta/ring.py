@@ -145,7 +145,8 @@ def _staged_gamma(ring_g, pos, live, first, K):
 def stage_fold_operands(scratch, ring_k, ring_g, ring_beta, count, K, L2NORM: tl.constexpr, CHANNEL: tl.constexpr,
                         M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """:func:`fold_operands`' operands with the whole ``(I + B)⁻¹`` computed here (no step kept
-    rows of it: ``B`` from the Gram product, :func:`unit_lower_inverse`), then :func:`fold_update`,
+    rows of it: ``B`` from the Gram product, KDA's a column at a time, then
+    :func:`unit_lower_inverse`), then :func:`fold_update`,
     of one head's ring (pointers at its first entry: keys ``[·, K]``, log-gates, β),
     ``FOLD_KEY_COLUMNS`` key columns at a time, stored to
     ``scratch``: ``key_in [M, BLOCK_K]`` and ``update [M, BLOCK_K]`` (zero past K and ``count``)
