@@ -79,6 +79,26 @@ print(seen)
         assert result.stdout.split()[-1] == f"[{value}]"
 
 
+def test_sass_count_records_every_gated_delta_launch_of_both_gate_kinds():
+    """Each ``gdn-*`` op of ``bench.sass_count`` reaches its kernels through the op's launcher
+    (the cache's tensors in the launcher's order) for GDN and KDA layers; recorded, not built."""
+    script = """
+from bench import sass_count
+for layer in ("qwen3.5-122b-a10b", "kimi-linear-48b-a3b"):
+    for launch in (sass_count.launch_gdn_conventional, sass_count.launch_gdn_replay, sass_count.launch_gdn_verify,
+                   sass_count.launch_gdn_commit):
+        arg = "int8:row" if launch is sass_count.launch_gdn_conventional else "fp8_e4m3:row"
+        print(layer, " ".join(sorted({name for name, *_ in launch(arg, batch=2, layer=layer)})))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kernels = ["_conventional_kernel", "_replay_flush_kernel _replay_step_kernel", "_verify_kernel",
+               "_commit_cursor_kernel _commit_fold_kernel _commit_list_kernel"]
+    assert result.stdout.splitlines() == [f"{layer} {names}" for layer in ("qwen3.5-122b-a10b", "kimi-linear-48b-a3b")
+                                          for names in kernels]
+
+
 def test_host_overhead_times_the_ops_python_without_launching():
     """In its own process: it replaces the kernels of the modules it imports with no-ops."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
