@@ -266,8 +266,10 @@ def launch_gdn_commit(read, T=4, batch=BATCH, layer=MAIN):
     HK, HV, K, V, gate = LAYERS[layer]
     cache = qstate.GatedDeltaReplayCache.allocate(batch, HK, HV, K, V, gate=gate, ring_len=16, read=read,
                                                   device="cpu", max_draft=T)
-    tensors = {name: t for name, t in cache.tensors().items() if name != "ring_inverse"}  # replay's only
-    speculative.launch_commit(torch.full((batch,), T, dtype=torch.int32), None, *tensors.values(),
+    c = cache
+    speculative.launch_commit(torch.full((batch,), T, dtype=torch.int32), None, c.checkpoint, c.read, c.read_scale,
+                              c.ring_k, c.ring_v, c.ring_g, c.ring_beta, c.cursor, c.drafts, c.commit_errors,
+                              c.slot_flags,
                               checkpoint_format=cache.checkpoint_format, read_format=cache.read_format, max_draft=T,
                               use_qk_l2norm=True)
     return launches
